@@ -1,0 +1,20 @@
+"""Cache policies, each a small class behind the one `KVCache` interface (chapters 3 to 5)."""
+
+from labcode.caches.base import CacheError, KVCache
+from labcode.caches.concat import ConcatCache
+from labcode.caches.explicit import PairsCache
+from labcode.caches.growable import GrowableCache
+from labcode.caches.naive import ModuleStateCache
+from labcode.caches.ring import RingCache
+from labcode.caches.window import WindowCache
+
+__all__ = [
+    "CacheError",
+    "ConcatCache",
+    "GrowableCache",
+    "KVCache",
+    "ModuleStateCache",
+    "PairsCache",
+    "RingCache",
+    "WindowCache",
+]

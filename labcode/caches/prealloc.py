@@ -1,0 +1,72 @@
+"""Shared machinery of the caches that preallocate [B, Hkv, N, D] buffers.
+
+Introduced in chapter 5. Buffers are created on the first append, with the
+dtype and device of the activations; writes copy only the new rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labcode.caches.base import KVCache, expect
+
+
+class PreallocatedCache(KVCache):
+    """Per-layer K/V buffers of `capacity` token slots, and a write pointer per layer."""
+
+    def __init__(self, n_layers: int, capacity: int) -> None:
+        super().__init__(n_layers)
+        expect(isinstance(capacity, int) and capacity > 0, "capacity", "a positive number of token slots", capacity)
+        self.capacity = capacity
+        self.k: list[torch.Tensor | None] = [None] * n_layers  # (B, Hkv, capacity, D) each
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        self.ptr = [0] * n_layers  # next free slot per layer
+        self.rows_copied = 0  # token rows written into buffers, summed over layers, K and V
+
+    def _ensure_buffers(self, layer: int, k: torch.Tensor) -> None:
+        if self.k[layer] is None:
+            b, hkv, _, d = k.shape
+            self.k[layer] = k.new_zeros(b, hkv, self.capacity, d)  # same dtype and device as k
+            self.v[layer] = k.new_zeros(b, hkv, self.capacity, d)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+        t = k.shape[2]
+        self.k[layer][:, :, at : at + t] = k  # copies T rows, whatever the cached length
+        self.v[layer][:, :, at : at + t] = v
+        self.rows_copied += 2 * t
+
+    def length(self, layer: int = 0) -> int:
+        return self.ptr[layer]
+
+    def fork(self, share_storage: bool = False) -> PreallocatedCache:
+        """A copy of this cache. `share_storage=True` reproduces the aliasing hazard:
+        both copies then write into the same buffers with their own pointers."""
+        other = object.__new__(type(self))
+        for key, val in self.__dict__.items():  # own copies of lists, counters and position tables
+            other.__dict__[key] = list(val) if isinstance(val, list) else (
+                val.clone() if isinstance(val, torch.Tensor) else val)
+        if not share_storage:
+            other.k = [None if t is None else t.clone() for t in self.k]
+            other.v = [None if t is None else t.clone() for t in self.v]
+        else:
+            other.k, other.v = list(self.k), list(self.v)
+        return other
+
+    def reset(self) -> None:
+        super().reset()
+        self.k = [None] * self.n_layers
+        self.v = [None] * self.n_layers
+        self.ptr = [0] * self.n_layers
+
+    def state(self) -> dict:
+        return {
+            "position": self.position,
+            "ptr": list(self.ptr),
+            "capacity": self.capacity,
+            "k": [None if t is None else t.clone() for t in self.k],
+            "v": [None if t is None else t.clone() for t in self.v],
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v if t is not None)

@@ -1,0 +1,68 @@
+"""The model configuration: one frozen dataclass and its named presets.
+
+Introduced in chapter 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT-2-architecture model. Every field is fixed after creation."""
+
+    vocab_size: int = 64  # V: number of token ids
+    context_length: int = 64  # rows of the learned position table: a hard limit on positions
+    n_layers: int = 2  # L: transformer blocks
+    n_heads: int = 4  # H: query heads per layer
+    n_kv_heads: int | None = None  # Hkv: key/value heads (None means H; fewer means grouped-query)
+    d_model: int = 64  # C: model width; head dim D = C // H
+    rotary: bool = False  # rotary positions on Q and K instead of the learned position table
+    rope_base: float = 10000.0  # base of the rotary frequencies (used only when rotary)
+    dropout: float = 0.0  # dropout on attention weights and residuals, active only in train()
+
+    def __post_init__(self) -> None:
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        object.__setattr__(self, "n_kv_heads", kv)
+        checks = {
+            "vocab_size": self.vocab_size > 0,
+            "context_length": self.context_length > 0,
+            "n_layers": self.n_layers > 0,
+            "n_heads": self.n_heads > 0 and self.d_model % self.n_heads == 0,
+            "n_kv_heads": kv > 0 and self.n_heads % kv == 0,
+            "dropout": 0.0 <= self.dropout < 1.0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"GPTConfig.{name}: invalid value {getattr(self, name)!r} for {self}")
+        if self.rotary and self.head_dim % 2:
+            raise ValueError(f"GPTConfig.d_model: rotary needs an even head dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        """D, the width of one attention head."""
+        return self.d_model // self.n_heads
+
+    def with_(self, **changes) -> GPTConfig:
+        """A copy with some fields changed (the config itself is frozen)."""
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # The seed's worked example: L=2, C=16, used for the 768-element cache-size count.
+    "micro": GPTConfig(vocab_size=64, context_length=16, n_layers=2, n_heads=2, d_model=16),
+    # The trained model every chapter uses; fast on two CPU cores.
+    "tiny": GPTConfig(vocab_size=64, context_length=64, n_layers=2, n_heads=4, d_model=64),
+    # A mid-size random-weight model for benchmarks.
+    "small": GPTConfig(vocab_size=50257, context_length=1024, n_layers=6, n_heads=6, d_model=384),
+    # GPT-2 124M shapes, random weights, for benchmarks only.
+    "gpt2-124m": GPTConfig(vocab_size=50257, context_length=1024, n_layers=12, n_heads=12, d_model=768),
+}
+
+
+def get_config(name: str, **changes) -> GPTConfig:
+    """Return the preset called `name`, with optional field changes."""
+    if name not in PRESETS:
+        raise KeyError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+    return PRESETS[name].with_(**changes) if changes else PRESETS[name]

@@ -1,0 +1,121 @@
+"""QA result files: one JSON document per QA notebook, written atomically.
+
+Introduced in the verification report. A document holds the schema version, the
+parameters, the environment, measured values and a list of checks (claim, value,
+tolerance, comparison, passed), with an overall `passed`. `qa/results.schema.json`
+describes the format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+SCHEMA_VERSION = 1
+COMPARISONS = {
+    "<=": lambda value, tol: value <= tol,
+    ">=": lambda value, tol: value >= tol,
+    "==": lambda value, tol: value == tol,
+    "<": lambda value, tol: value < tol,
+    ">": lambda value, tol: value > tol,
+}
+
+
+def environment() -> dict:
+    """What the numbers were measured on (recorded, never compared)."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def _plain(value):
+    """JSON-friendly copy of numbers, tensors, lists and dicts (NaN and inf become strings)."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def write_json_atomic(path: str | Path, document: dict) -> Path:
+    """Write `document` to `path` through a temporary file and a rename: never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+class QAResult:
+    """Collects parameters, values and checks for one QA notebook, then writes them."""
+
+    def __init__(self, name: str, parameters: dict, machine_dependent: bool = False) -> None:
+        self.doc = {
+            "schema_version": SCHEMA_VERSION,
+            "name": name,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine_dependent": machine_dependent,
+            "parameters": _plain(parameters),
+            "environment": environment(),
+            "values": {},
+            "checks": [],
+            "passed": True,
+        }
+
+    def value(self, key: str, value) -> None:
+        """Record a measured value under `key`."""
+        self.doc["values"][key] = _plain(value)
+
+    def check(self, name: str, claim: str, value, tolerance, comparison: str = "<=") -> bool:
+        """Record whether `value <comparison> tolerance` holds, with the claim it supports."""
+        if comparison not in COMPARISONS:
+            raise ValueError(f"comparison: expected one of {sorted(COMPARISONS)}, got {comparison!r}")
+        value, tolerance = _plain(value), _plain(tolerance)
+        passed = bool(COMPARISONS[comparison](value, tolerance))
+        self.doc["checks"].append(
+            {"name": name, "claim": claim, "value": value, "tolerance": tolerance,
+             "comparison": comparison, "passed": passed}
+        )
+        self.doc["passed"] = all(c["passed"] for c in self.doc["checks"])
+        return passed
+
+    def write(self, path: str | Path) -> Path:
+        """Write atomically, then raise AssertionError if any check failed (a failed QA run exits non-zero)."""
+        out = write_json_atomic(path, self.doc)
+        failed = [c["name"] for c in self.doc["checks"] if not c["passed"]]
+        if failed:
+            raise AssertionError(f"QA {self.doc['name']}: failed checks {failed} (written to {out})")
+        return out
+
+
+def load_results(directory: str | Path) -> list[dict]:
+    """Every result document in `directory`, sorted by file name, each with its `source` file name."""
+    docs = []
+    for path in sorted(Path(directory).glob("*.json")):
+        doc = json.loads(path.read_text())
+        doc["source"] = path.name
+        docs.append(doc)
+    return docs

@@ -1,0 +1,43 @@
+"""A character-level tokenizer with a fixed 64-symbol alphabet.
+
+Introduced in chapter 1. Every character of the generated corpus is in the
+alphabet, so encoding the corpus never fails; anything else raises.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+
+ALPHABET = "\n !'(),-.:;?" + string.ascii_uppercase + string.ascii_lowercase
+assert len(ALPHABET) == 64, len(ALPHABET)
+
+
+class CharTokenizer:
+    """Maps each character of `ALPHABET` to its index, and back."""
+
+    def __init__(self, alphabet: str = ALPHABET) -> None:
+        self.alphabet = alphabet
+        self.stoi = {ch: i for i, ch in enumerate(alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        """Text to a list of ids; raises ValueError naming the first unknown character."""
+        bad = [ch for ch in text if ch not in self.stoi]
+        if bad:
+            raise ValueError(f"text: every character must be in the alphabet, got {bad[0]!r}")
+        return [self.stoi[ch] for ch in text]
+
+    def encode_tensor(self, text: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Text to a [1, T] LongTensor, the shape the model takes."""
+        return torch.tensor([self.encode(text)], dtype=torch.long, device=device)
+
+    def decode(self, ids) -> str:
+        """A sequence (or 1-D tensor) of ids to text."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return "".join(self.alphabet[i] for i in ids)

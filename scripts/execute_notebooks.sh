@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Execute notebooks in place (outputs are committed and checked by nbval), each in its own folder.
+# Usage: bash scripts/execute_notebooks.sh notebooks/01_small_gpt.ipynb [more.ipynb ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+unset MPLBACKEND
+for nb in "$@"; do
+  echo "executing $nb"
+  .venv/bin/jupyter nbconvert --to notebook --execute --inplace \
+    --ExecutePreprocessor.kernel_name=python3 --ExecutePreprocessor.timeout=600 "$nb"
+done
