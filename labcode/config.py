@@ -25,17 +25,21 @@ class GPTConfig:
     def __post_init__(self) -> None:
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         object.__setattr__(self, "n_kv_heads", kv)
-        checks = {
-            "vocab_size": self.vocab_size > 0,
-            "context_length": self.context_length > 0,
-            "n_layers": self.n_layers > 0,
-            "n_heads": self.n_heads > 0 and self.d_model % self.n_heads == 0,
-            "n_kv_heads": kv > 0 and self.n_heads % kv == 0,
-            "dropout": 0.0 <= self.dropout < 1.0,
+        checks = {  # field: (valid, what was expected)
+            "vocab_size": (self.vocab_size > 0, "a positive number of token ids"),
+            "context_length": (self.context_length > 0, "a positive number of positions"),
+            "n_layers": (self.n_layers > 0, "a positive number of layers"),
+            "d_model": (self.d_model > 0, "a positive model width"),
+            "n_heads": (self.n_heads > 0 and self.d_model % self.n_heads == 0,
+                        f"a positive divisor of d_model {self.d_model}"),
+            "n_kv_heads": (kv > 0 and self.n_heads > 0 and self.n_heads % kv == 0,
+                           f"a positive divisor of n_heads {self.n_heads}"),
+            "rope_base": (self.rope_base > 0, "a positive base"),
+            "dropout": (0.0 <= self.dropout < 1.0, "0 <= dropout < 1"),
         }
-        for name, ok in checks.items():
+        for name, (ok, expected) in checks.items():
             if not ok:
-                raise ValueError(f"GPTConfig.{name}: invalid value {getattr(self, name)!r} for {self}")
+                raise ValueError(f"GPTConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
         if self.rotary and self.head_dim % 2:
             raise ValueError(f"GPTConfig.d_model: rotary needs an even head dim, got {self.head_dim}")
 
@@ -46,6 +50,8 @@ class GPTConfig:
 
     def with_(self, **changes) -> GPTConfig:
         """A copy with some fields changed (the config itself is frozen)."""
+        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            changes["n_kv_heads"] = None  # plain multi-head attention stays plain with the new head count
         return replace(self, **changes)
 
 

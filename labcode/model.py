@@ -18,20 +18,24 @@ from labcode.config import GPTConfig
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary position embedding of x [B, H, T, D] at absolute `positions` [T] (pairs (i, i + D/2))."""
+    """Rotary position embedding of x [B, H, T, D] at absolute `positions` [T] or [B, T] (pairs (i, i + D/2))."""
     d = x.shape[-1]
     inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)  # (D/2,)
-    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2)
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    if positions.dim() == 2:  # one row of positions per sequence (chapter 9): broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D/2)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           dropout_p: float = 0.0) -> torch.Tensor:
     """Softmax attention; q [B, H, T, D], k and v [B, Hkv, S, D], mask [T, S] or None -> [B, H, T, D].
 
     Grouped-query attention without copying K/V: the H query heads are viewed as
-    Hkv groups of H/Hkv heads, and each group reads its one K/V head.
+    Hkv groups of H/Hkv heads, and each group reads its one K/V head. `dropout_p` > 0
+    drops attention weights (training only).
     """
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -39,7 +43,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = (qg @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, Hkv, G*T, S)
     if mask is not None:
         scores = scores.view(b, hkv, h // hkv, t, s).masked_fill(~mask, float("-inf")).view(b, hkv, -1, s)
-    return (scores.softmax(dim=-1) @ v).reshape(b, h, t, d)  # (B, H, T, D)
+    weights = scores.softmax(dim=-1)
+    if dropout_p > 0:
+        weights = F.dropout(weights, dropout_p, training=True)
+    return (weights @ v).reshape(b, h, t, d)  # (B, H, T, D)
 
 
 class CausalSelfAttention(nn.Module):
@@ -52,7 +59,6 @@ class CausalSelfAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim)
         self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
         # State of the naive cache (chapter 3): held here only while `use_cache=True` is used.
         self.cache_k: torch.Tensor | None = None
         self.cache_v: torch.Tensor | None = None
@@ -69,9 +75,7 @@ class CausalSelfAttention(nn.Module):
         else:
             k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D)
             mask = cache.mask(layer, t)
-        y = attend(q, k, v, mask)
-        if self.training and self.cfg.dropout > 0:
-            y = self.dropout(y)
+        y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
 
@@ -118,6 +122,21 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("out_proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        self._store_wide_weights_by_column()
+
+    def _store_wide_weights_by_column(self, min_elements: int = 1 << 20) -> None:
+        """Store large weights [out, in] with out > in column by column (chapter 7); values are unchanged.
+
+        A decode step multiplies one row by each weight matrix, so it runs at the speed the
+        weights stream from memory. For wide matrices (the tied head above all) the BLAS
+        product reads W^T stored contiguously markedly faster than W stored row by row.
+        Shapes, values and the state_dict stay the same; small matrices, which stay in
+        cache, keep PyTorch's default layout (so the tiny model is untouched).
+        """
+        with torch.no_grad():
+            for p in [self.tok_emb.weight] + [m.weight for m in self.modules() if isinstance(m, nn.Linear)]:
+                if p.shape[0] > p.shape[1] and p.numel() >= min_elements:
+                    p.data = p.data.t().contiguous().t()  # (out, in) with strides (1, out)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -134,8 +153,9 @@ class GPT(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_emb.weight.dtype
 
-    def check_ids(self, ids: torch.Tensor, start: int) -> None:
-        """Raise ValueError naming the problem if `ids` cannot be run at position `start`."""
+    def check_ids(self, ids: torch.Tensor, start: int, positions: torch.Tensor | None = None) -> None:
+        """Raise ValueError naming the problem if `ids` cannot be run at position `start`
+        (or at explicit `positions` [T] or [B, T], when a cache places each token itself)."""
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"ids: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
         if ids.dim() != 2:
@@ -146,7 +166,14 @@ class GPT(nn.Module):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"ids: expected values in [0, {self.cfg.vocab_size}), got min {lo}, max {hi}")
-        if start + t > self.cfg.context_length:
+        if positions is not None:
+            if tuple(positions.shape) not in ((t,), (b, t)):
+                raise ValueError(f"positions: expected shape ({t},) or ({b}, {t}), got {tuple(positions.shape)}")
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= self.cfg.context_length:
+                raise ValueError(
+                    f"positions: expected values in [0, {self.cfg.context_length}), got min {lo}, max {hi}")
+        elif start + t > self.cfg.context_length:
             raise ValueError(
                 f"positions: expected start + T <= context_length {self.cfg.context_length}, "
                 f"got start {start} + T {t} = {start + t}"
@@ -161,23 +188,33 @@ class GPT(nn.Module):
         from labcode.caches.explicit import PairsCache  # local import: caches import nothing of the model
         from labcode.caches.naive import ModuleStateCache
 
-        if return_cache or isinstance(cache, (list, tuple)):
+        explicit = return_cache or isinstance(cache, (list, tuple))
+        if use_cache and (explicit or cache is not None):
+            raise ValueError("cache, return_cache: expected None and False when use_cache=True "
+                             f"(the state lives in the model), got {type(cache).__name__} and {return_cache}")
+        if explicit:
             cache = PairsCache(self.cfg.n_layers, cache)
         elif use_cache:
-            if cache is not None:
-                raise ValueError("cache: expected None when use_cache=True (the state lives in the model)")
             cache = ModuleStateCache(self)
         logits = self.run(ids, cache)[0]
-        return (logits, cache.pairs) if isinstance(cache, PairsCache) else logits
+        return (logits, cache.pairs) if explicit else logits
 
     def run(self, ids: torch.Tensor, cache=None, keep_hidden: bool = False):
         """Core pass: returns (logits [B, T, V], hidden states after each block if asked)."""
         start = 0 if cache is None else cache.position
-        self.check_ids(ids, start)
+        # Engines that place each token themselves (chapter 9) give its position: (T,) or (B, T).
+        positions = cache.query_positions() if hasattr(cache, "query_positions") else None
+        self.check_ids(ids, start, positions)
         b, t = ids.shape
         if cache is not None:
+            from labcode.caches.base import expect  # local import, as in forward
+
+            expect(cache.n_layers == len(self.blocks), "cache", f"a cache for {len(self.blocks)} layers",
+                   f"one for {cache.n_layers}")  # a cache cannot know the model's depth: checked here
             cache.check(b, t, self.dtype, self.device)  # every rejection happens before any write
-        positions = torch.arange(start, start + t, device=ids.device)  # (T,)
+        if positions is None:
+            positions = torch.arange(start, start + t, device=ids.device)  # (T,)
+        positions = positions.to(ids.device)
         x = self.tok_emb(ids)  # (B, T, C)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)

@@ -111,6 +111,58 @@ class QAResult:
         return out
 
 
+def repo_root(start: str | Path | None = None) -> Path:
+    """The repository root: the nearest folder at or above `start` (default: the working
+    directory) that holds `qa/results.schema.json`. Papermill, nbval and jupyter-book start
+    kernels in different folders; resolving paths from here makes them agree."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "qa" / "results.schema.json").is_file():
+            return folder
+    raise FileNotFoundError(f"start: expected a folder inside the course repository, got {here}")
+
+
+def resolve_output(output_path: str | Path | None, name: str) -> Path:
+    """Where a QA notebook writes its result.
+
+    An empty `output_path` (the notebooks' default) means `qa/_runs/results/<name>.json`,
+    which git ignores: a default run (nbval, a reader pressing "run all") never touches the
+    committed `qa/results/`. A relative path is taken from the repository root.
+    """
+    if not output_path:
+        return repo_root() / "qa" / "_runs" / "results" / f"{name}.json"
+    path = Path(output_path)
+    return path if path.is_absolute() else repo_root() / path
+
+
+def schema_errors(document: dict) -> list[str]:
+    """Every way `document` breaks `qa/results.schema.json` (an empty list: valid)."""
+    import jsonschema  # imported here: only the tests and the QA notebooks need it
+
+    try:  # an editable install sits inside the repository; otherwise look from the working directory
+        root = repo_root(Path(__file__).parent)
+    except FileNotFoundError:
+        root = repo_root()
+    schema = json.loads((root / "qa" / "results.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    return [f"{'/'.join(map(str, e.absolute_path)) or '(document)'}: {e.message}"
+            for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def fmt(value, digits: int = 2) -> str:
+    """A measured value for a table: numbers to `digits` significant digits, so that a
+    regeneration that moves only the last digits of a rounding-level value prints the same."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if isinstance(value, bool) else "none"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return "0" if value == 0 else f"{value:.{digits}g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(fmt(v, digits) for v in value) + "]"
+    return str(value)
+
+
 def load_results(directory: str | Path) -> list[dict]:
     """Every result document in `directory`, sorted by file name, each with its `source` file name."""
     docs = []

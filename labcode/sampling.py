@@ -19,16 +19,16 @@ def sample_next(
     """Next ids [B] from last-position logits [B, V]. temperature 0 means greedy (argmax)."""
     if logits.dim() != 2:
         raise ValueError(f"logits: expected rank 2 [B, V], got shape {tuple(logits.shape)}")
-    if temperature < 0:
+    if not temperature >= 0:  # also rejects NaN
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
-    if temperature == 0:
-        return logits.argmax(dim=-1)
     if top_k is not None and top_k <= 0:
         raise ValueError(f"top_k: expected a positive integer or None, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected 0 < top_p <= 1 or None, got {top_p}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
     if generator is None:
-        raise ValueError("generator: sampling needs a torch.Generator (no global seeding), got None")
+        raise ValueError("generator: expected a torch.Generator for sampling (no global seeding), got None")
     scores = logits.double() / temperature  # float64 so that every dtype samples from the same numbers
     if top_k is not None and top_k < scores.shape[-1]:
         kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)

@@ -40,4 +40,7 @@ class CharTokenizer:
         """A sequence (or 1-D tensor) of ids to text."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
+        bad = [i for i in ids if not 0 <= i < len(self.alphabet)]
+        if bad:  # a negative id would otherwise index from the end and decode silently
+            raise ValueError(f"ids: expected values in [0, {len(self.alphabet)}), got {bad[0]!r}")
         return "".join(self.alphabet[i] for i in ids)

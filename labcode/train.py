@@ -23,32 +23,38 @@ def train(cfg: GPTConfig, steps: int = 1500, batch_size: int = 32, lr: float = 3
     """Train a fresh model on the generated corpus with one thread and a fixed seed; return it and its losses."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float sums depend on the thread count: pin it for reproducible bytes
-    try:
-        gen = torch.Generator().manual_seed(seed)
-        data = torch.tensor(CharTokenizer().encode(make_corpus(seed=seed)), dtype=torch.long)
-        with torch.random.fork_rng():  # weight init draws from the global generator: isolate it
-            torch.manual_seed(seed)
-            model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-        losses = []
-        model.train()
-        for step in range(steps):
-            starts = torch.randint(0, len(data) - cfg.context_length - 1, (batch_size,), generator=gen)
-            x = torch.stack([data[s : s + cfg.context_length] for s in starts])  # (B, T)
-            y = torch.stack([data[s + 1 : s + cfg.context_length + 1] for s in starts])
-            logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if log_every and step % log_every == 0:
-                print(f"step {step:5d}  loss {loss.item():.4f}")
-        return model.eval(), losses
-    finally:
-        torch.set_num_threads(threads)
+    # Weight init and dropout draw from the global generator: seed it, and leave the caller's untouched.
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        try:
+            return _train(cfg, steps, batch_size, lr, seed, log_every)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _train(cfg: GPTConfig, steps: int, batch_size: int, lr: float, seed: int,
+           log_every: int) -> tuple[GPT, list[float]]:
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.tensor(CharTokenizer().encode(make_corpus(seed=seed)), dtype=torch.long)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    losses = []
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - cfg.context_length - 1, (batch_size,), generator=gen)
+        x = torch.stack([data[s : s + cfg.context_length] for s in starts])  # (B, T)
+        y = torch.stack([data[s + 1 : s + cfg.context_length + 1] for s in starts])
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if log_every and step % log_every == 0:
+            print(f"step {step:5d}  loss {loss.item():.4f}")
+    return model.eval(), losses
 
 
 def main(argv: list[str] | None = None) -> None:

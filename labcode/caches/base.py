@@ -22,41 +22,97 @@ def expect(ok: bool, argument: str, expected: str, got: object) -> None:
         raise CacheError(f"{argument}: expected {expected}, got {got}")
 
 
+def is_count(x: object) -> bool:
+    """True for a Python int that is not a bool (bools are ints, but never a size)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Devices are the same when the types agree and the indices do (a missing index matches any)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def snapshot(value: object) -> object:
+    """A deep copy of lists, tuples, dicts and tensors (cloned), for "state unchanged" checks."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(snapshot(v) for v in value)
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    return value
+
+
+def states_equal(a: object, b: object) -> bool:
+    """Exact equality of two snapshots: same structure, tensors equal in dtype, shape, device and values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and a.device == b.device
+                and (a.device.type == "meta" or bool(torch.equal(a, b))))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(states_equal(a[k], b[k]) for k in a))
+    return type(a) is type(b) and a == b
+
+
 class KVCache:
     """Per-layer key/value storage for one batch of requests.
 
-    Subclasses implement `_append` and, if their storage is not chronological or
-    drops keys, `mask`. The model calls, in order: `check` (once), `append` and
+    Subclasses implement `_append` and `length` and, if their storage is not
+    chronological, `mask`. The model calls, in order: `check` (once), `append` and
     `mask` (per layer), `advance` (once).
     """
 
+    max_chunk: int | None = None  # the largest chunk one call accepts (None: any)
+
     def __init__(self, n_layers: int) -> None:
-        expect(n_layers > 0, "n_layers", "a positive number of layers", n_layers)
+        expect(is_count(n_layers) and n_layers > 0, "n_layers", "a positive number of layers", repr(n_layers))
         self.n_layers = n_layers
         self.position = 0  # absolute position of the next token: tokens seen so far
-        self.batch: int | None = None
+        self.batch: int | None = None  # B, dtype, device, Hkv and D are fixed by the first append
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
+        self.kv_heads: int | None = None
+        self.head_dim: int | None = None
 
     # -- validation: everything is checked before anything is written --------
     def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raise CacheError if a chunk of `t_new` tokens cannot be appended; change nothing."""
-        expect(t_new > 0, "t_new", "at least one new token", t_new)
+        expect(is_count(t_new) and t_new > 0, "t_new", "at least one new token", t_new)
+        if self.max_chunk is not None:
+            expect(t_new <= self.max_chunk, "t_new",
+                   f"a chunk of at most {self.max_chunk} tokens (the window; prefill longer prompts in chunks)",
+                   t_new)
         if self.batch is not None:
-            expect(batch == self.batch, "batch", f"the cache's batch size {self.batch}", batch)
+            expect(batch == self.batch, "batch", f"the cache's batch size {self.batch} (reset it for a new batch)",
+                   batch)
             expect(dtype == self.dtype, "dtype", f"the cache's dtype {self.dtype}", dtype)
-            expect(torch.device(device) == self.device, "device", f"the cache's device {self.device}", device)
+            expect(same_device(device, self.device), "device", f"the cache's device {self.device}", device)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, D] for `layer`; return all keys and values to attend to."""
-        expect(0 <= layer < self.n_layers, "layer", f"0 <= layer < {self.n_layers}", layer)
+        expect(is_count(layer) and 0 <= layer < self.n_layers, "layer", f"0 <= layer < {self.n_layers}", layer)
+        expect(isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor), "k, v", "two tensors",
+               (type(k).__name__, type(v).__name__))
         expect(k.dim() == 4 and k.shape == v.shape, "k, v", "two [B, Hkv, T, D] tensors of one shape",
                (tuple(k.shape), tuple(v.shape)))
-        if layer == 0:
-            self.check(k.shape[0], k.shape[2], k.dtype, k.device)
-        if self.batch is None:
-            self.batch, self.dtype, self.device = k.shape[0], k.dtype, k.device
+        expect(k.dtype == v.dtype and k.device == v.device, "k, v", "one dtype and one device",
+               (k.dtype, v.dtype, k.device, v.device))
+        KVCache.check(self, k.shape[0], k.shape[2], k.dtype, k.device)  # the per-chunk rules, for every layer
+        if self.kv_heads is not None:
+            expect((k.shape[1], k.shape[3]) == (self.kv_heads, self.head_dim), "k, v",
+                   f"Hkv={self.kv_heads} heads of D={self.head_dim}, as cached", tuple(k.shape))
+        else:
+            self._remember(k)
         return self._append(layer, k, v)
+
+    def _remember(self, k: torch.Tensor) -> None:
+        """Fix B, Hkv, D, dtype and device at the first append."""
+        self.batch, self.kv_heads, _, self.head_dim = k.shape
+        self.dtype, self.device = k.dtype, k.device
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -76,14 +132,18 @@ class KVCache:
         """Number of keys stored for `layer`."""
         raise NotImplementedError
 
+    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K, V [B, Hkv, S, D] of `layer`, oldest position first (None, None if empty)."""
+        raise NotImplementedError
+
     def reset(self) -> None:
         """Forget everything, as if new."""
         self.position = 0
-        self.batch = self.dtype = self.device = None
+        self.batch = self.dtype = self.device = self.kv_heads = self.head_dim = None
 
     def state(self) -> dict:
-        """A snapshot of everything observable, for "state unchanged" checks."""
-        raise NotImplementedError
+        """A snapshot of everything observable (tensors cloned), for "state unchanged" checks."""
+        return {key: snapshot(val) for key, val in vars(self).items()}
 
     @property
     def nbytes(self) -> int:

@@ -12,29 +12,54 @@ import torch
 from labcode.caches.base import KVCache, expect
 
 
+def check_pairs(pairs, n_layers: int) -> list:
+    """Validate `caches` (None, or n_layers pairs of K, V [B, Hkv, S, D], all alike); return a new list."""
+    if pairs is None:
+        return [None] * n_layers
+    expect(isinstance(pairs, (list, tuple)), "caches", f"None or a list of {n_layers} (K, V) pairs",
+           type(pairs).__name__)
+    pairs = list(pairs)
+    expect(len(pairs) == n_layers, "caches", f"a list of {n_layers} (K, V) pairs, one per layer", len(pairs))
+    if all(p is None for p in pairs):
+        return pairs
+    for layer, p in enumerate(pairs):
+        ok = isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p)
+        expect(ok, f"caches[{layer}]", "a (K, V) pair of tensors", type(p).__name__)
+        expect(p[0].dim() == 4, f"caches[{layer}]", "tensors of rank 4 [B, Hkv, S, D]", tuple(p[0].shape))
+        k0, k, v = pairs[0][0], p[0], p[1]
+        same = k.shape == v.shape == k0.shape and k.dtype == v.dtype == k0.dtype and k.device == v.device == k0.device
+        expect(same, f"caches[{layer}]", f"K and V of shape {tuple(k0.shape)}, {k0.dtype} on {k0.device}, "
+               "as in layer 0", (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype))
+    return pairs
+
+
 class PairsCache(KVCache):
     """Adapter that lets the model read a list of (K, V) pairs and build the next list."""
 
     def __init__(self, n_layers: int, pairs=None) -> None:
         super().__init__(n_layers)
-        pairs = [None] * n_layers if pairs is None else list(pairs)
-        expect(len(pairs) == n_layers, "caches", f"a list of {n_layers} (K, V) pairs or None", len(pairs))
-        lengths = {None if p is None else p[0].shape[2] for p in pairs}
-        expect(len(lengths) == 1, "caches", "pairs of one cached length for every layer", sorted(map(str, lengths)))
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = pairs
-        if pairs[0] is not None:
-            k0 = pairs[0][0]
-            expect(k0.dim() == 4, "caches", "(K, V) tensors of rank 4 [B, Hkv, S, D]", tuple(k0.shape))
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = check_pairs(pairs, n_layers)  # a new list
+        if self.pairs[0] is not None:
+            k0 = self.pairs[0][0]
             self.position = k0.shape[2]  # the position offset is the cached length
-            self.batch, self.dtype, self.device = k0.shape[0], k0.dtype, k0.device
+            self.batch, self.kv_heads, _, self.head_dim = k0.shape
+            self.dtype, self.device = k0.dtype, k0.device
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         old = self.pairs[layer]
         if old is not None:
-            k, v = torch.cat((old[0], k), dim=2), torch.cat((old[1], v), dim=2)  # (B, Hkv, S+T, D)
+            k, v = torch.cat((old[0], k), dim=2), torch.cat((old[1], v), dim=2)  # (B, Hkv, S+T, D), new tensors
         self.pairs[layer] = (k, v)
         return k, v
 
     def length(self, layer: int = 0) -> int:
         pair = self.pairs[layer]
         return 0 if pair is None else pair[0].shape[2]
+
+    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self.pairs[layer]
+        return (None, None) if pair is None else pair
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for p in self.pairs if p is not None for t in p)

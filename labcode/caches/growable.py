@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import expect
+from labcode.caches.base import expect, is_count
 from labcode.caches.prealloc import PreallocatedCache
 
 
@@ -19,24 +19,24 @@ class GrowableCache(PreallocatedCache):
     def __init__(self, n_layers: int, capacity: int, policy: str = "linear", grow_by: int | None = None) -> None:
         super().__init__(n_layers, capacity)
         expect(policy in ("linear", "double"), "policy", "'linear' or 'double'", repr(policy))
-        grow_by = capacity if grow_by is None else grow_by
-        expect(isinstance(grow_by, int) and grow_by > 0, "grow_by", "a positive number of slots", grow_by)
+        grow_by = capacity if grow_by is None else grow_by  # candle: grow_by is the initial capacity
+        expect(is_count(grow_by) and grow_by > 0, "grow_by", "a positive number of slots", repr(grow_by))
         self.policy, self.grow_by = policy, grow_by
-        self.grow_count = 0  # growths, counted once per layer
-        self.capacities = [capacity] * n_layers
+        self.grow_count = 0  # buffer growths, summed over layers
+        self.capacities = [capacity] * n_layers  # current slots per layer
 
     def _grow(self, layer: int, needed: int) -> None:
-        cap = self.capacities[layer]
-        while cap < needed:  # a while, not an if: one big chunk may need several growths
-            cap = cap + self.grow_by if self.policy == "linear" else 2 * cap
-        extra = cap - self.capacities[layer]
-        for buffers in (self.k, self.v):
-            old = buffers[layer]
-            pad = old.new_zeros(old.shape[0], old.shape[1], extra, old.shape[3])
-            buffers[layer] = torch.cat((old, pad), dim=2)  # copies every slot of the old buffer
-            self.rows_copied += old.shape[2]
-        self.capacities[layer] = cap
-        self.grow_count += 1
+        # A loop, not an if: one large chunk may need several growths (candle's fix #3035).
+        while self.capacities[layer] < needed:
+            cap = self.capacities[layer]
+            extra = self.grow_by if self.policy == "linear" else cap
+            for buffers in (self.k, self.v):
+                old = buffers[layer]
+                pad = old.new_zeros(old.shape[0], old.shape[1], extra, old.shape[3])
+                buffers[layer] = torch.cat((old, pad), dim=2)  # a new buffer: every old slot is copied
+                self.rows_copied += cap
+            self.capacities[layer] = cap + extra
+            self.grow_count += 1
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._ensure_buffers(layer, k)
@@ -45,12 +45,9 @@ class GrowableCache(PreallocatedCache):
             self._grow(layer, n + t)
         self._write(layer, k, v, n)
         self.ptr[layer] = n + t
-        return self.k[layer][:, :, : n + t], self.v[layer][:, :, : n + t]  # narrow views
+        return self.k[layer][:, :, : n + t], self.v[layer][:, :, : n + t]  # narrow views of the buffers
 
     def reset(self) -> None:
         super().reset()
         self.capacities = [self.capacity] * self.n_layers
         self.grow_count = 0
-
-    def state(self) -> dict:
-        return {**super().state(), "capacities": list(self.capacities), "grow_count": self.grow_count}

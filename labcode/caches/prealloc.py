@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import KVCache, expect
+from labcode.caches.base import KVCache, expect, is_count
 
 
 class PreallocatedCache(KVCache):
@@ -16,12 +16,12 @@ class PreallocatedCache(KVCache):
 
     def __init__(self, n_layers: int, capacity: int) -> None:
         super().__init__(n_layers)
-        expect(isinstance(capacity, int) and capacity > 0, "capacity", "a positive number of token slots", capacity)
+        expect(is_count(capacity) and capacity > 0, "capacity", "a positive number of token slots", repr(capacity))
         self.capacity = capacity
         self.k: list[torch.Tensor | None] = [None] * n_layers  # (B, Hkv, capacity, D) each
         self.v: list[torch.Tensor | None] = [None] * n_layers
         self.ptr = [0] * n_layers  # next free slot per layer
-        self.rows_copied = 0  # token rows written into buffers, summed over layers, K and V
+        self.rows_copied = 0  # token rows written or moved inside the buffers, summed over layers, K and V
 
     def _ensure_buffers(self, layer: int, k: torch.Tensor) -> None:
         if self.k[layer] is None:
@@ -38,18 +38,23 @@ class PreallocatedCache(KVCache):
     def length(self, layer: int = 0) -> int:
         return self.ptr[layer]
 
+    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the filled rows; they share the buffers, so a later write shows through."""
+        n = self.ptr[layer]
+        if self.k[layer] is None:
+            return None, None
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+
     def fork(self, share_storage: bool = False) -> PreallocatedCache:
         """A copy of this cache. `share_storage=True` reproduces the aliasing hazard:
         both copies then write into the same buffers with their own pointers."""
         other = object.__new__(type(self))
-        for key, val in self.__dict__.items():  # own copies of lists, counters and position tables
+        for key, val in vars(self).items():  # own copies of lists, counters and position tables
             other.__dict__[key] = list(val) if isinstance(val, list) else (
                 val.clone() if isinstance(val, torch.Tensor) else val)
         if not share_storage:
             other.k = [None if t is None else t.clone() for t in self.k]
             other.v = [None if t is None else t.clone() for t in self.v]
-        else:
-            other.k, other.v = list(self.k), list(self.v)
         return other
 
     def reset(self) -> None:
@@ -57,15 +62,7 @@ class PreallocatedCache(KVCache):
         self.k = [None] * self.n_layers
         self.v = [None] * self.n_layers
         self.ptr = [0] * self.n_layers
-
-    def state(self) -> dict:
-        return {
-            "position": self.position,
-            "ptr": list(self.ptr),
-            "capacity": self.capacity,
-            "k": [None if t is None else t.clone() for t in self.k],
-            "v": [None if t is None else t.clone() for t in self.v],
-        }
+        self.rows_copied = 0
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,262 @@
+"""Benchmarks of appending to a cache, alone and followed by single-token attention.
+
+Introduced in chapter 7. The setup copies the seed's candle measurement (30 layers,
+3 K/V heads, head dim 64, float32, a prefill then one token per decode step); only
+the cache work is timed, no model runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from labcode.bench.timing import median, rotated, timed
+from labcode.caches import ConcatCache, GrowableCache, RingCache, WindowCache
+from labcode.model import attend
+
+
+@dataclass(frozen=True)
+class AppendSetup:
+    """Shapes of an append benchmark: L layers of [B, Hkv, S, D] keys and values."""
+
+    name: str
+    prefill: int  # P: positions written before the first timed step
+    decode: int  # timed steps, one new position each
+    n_layers: int = 30
+    n_kv_heads: int = 3
+    n_heads: int = 9  # query heads, for the attention benchmark (GQA groups of n_heads / n_kv_heads)
+    head_dim: int = 64
+    batch: int = 1
+    grow_start: int = 64  # first capacity (and linear step) of the growable caches
+
+
+# Reported by the seed for candle on an Apple M2 Max CPU, same shapes (30 layers, 3 K/V heads,
+# D=64, float32, prefill 128, 200 decode steps): the preallocated KvCache appended in about
+# 10 µs per step for all layers, and concatenation was 24 to 35 times slower.
+CANDLE_REPORTED = {"slice_us_per_step": 10, "cat_over_slice_low": 24, "cat_over_slice_high": 35}
+
+LABELS = {
+    "cat": "ConcatCache (torch.cat)",
+    "slice": "WindowCache (slice write)",
+    "ring": "RingCache (index_copy_)",
+    "grow_linear": "GrowableCache, linear growth",
+    "grow_double": "GrowableCache, doubling",
+    "bare_cat": "bare torch.cat per layer",
+    "bare_slice": "bare narrow().copy_() per layer",
+    "fused_slice": "one copy_ for all layers",
+}
+
+
+class CourseAppender:
+    """A `labcode.caches` object fed the way the model feeds it: one append per layer, then advance."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for layer in range(self.cache.n_layers):
+            self.cache.append(layer, k, v)
+        self.cache.advance(k.shape[2])
+
+    def step(self, k: torch.Tensor, v: torch.Tensor, kv_all: torch.Tensor) -> None:
+        for layer in range(self.cache.n_layers):
+            self.cache.append(layer, k, v)
+        self.cache.advance(1)
+
+    def last_layer(self) -> torch.Tensor:
+        """Keys of the last layer in time order, [B, Hkv, S, D]."""
+        return self.cache.read(self.cache.n_layers - 1)[0]
+
+
+class BareCat:
+    """`torch.cat` per layer with nothing around it: the cost of concatenation alone."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.n_layers = n_layers
+
+    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = [k] * self.n_layers, [v] * self.n_layers
+
+    def step(self, k: torch.Tensor, v: torch.Tensor, kv_all: torch.Tensor) -> None:
+        for layer in range(self.n_layers):
+            self.k[layer] = torch.cat((self.k[layer], k), dim=2)  # (B, Hkv, S+1, D)
+            self.v[layer] = torch.cat((self.v[layer], v), dim=2)
+
+    def last_layer(self) -> torch.Tensor:
+        return self.k[-1]
+
+
+class BareSlice:
+    """Preallocated buffers and one `narrow(...).copy_()` per tensor: a slice write with no checks."""
+
+    def __init__(self, n_layers: int, capacity: int, like: torch.Tensor) -> None:
+        b, hkv, _, d = like.shape
+        self.k = [like.new_zeros(b, hkv, capacity, d) for _ in range(n_layers)]  # (B, Hkv, N, D)
+        self.v = [like.new_zeros(b, hkv, capacity, d) for _ in range(n_layers)]
+        self.n = 0
+
+    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        p = k.shape[2]
+        for kb, vb in zip(self.k, self.v, strict=True):
+            kb.narrow(2, 0, p).copy_(k)
+            vb.narrow(2, 0, p).copy_(v)
+        self.n = p
+
+    def step(self, k: torch.Tensor, v: torch.Tensor, kv_all: torch.Tensor) -> None:
+        n = self.n
+        for kb, vb in zip(self.k, self.v, strict=True):
+            kb.narrow(2, n, 1).copy_(k)
+            vb.narrow(2, n, 1).copy_(v)
+        self.n = n + 1
+
+    def last_layer(self) -> torch.Tensor:
+        return self.k[-1][:, :, : self.n]
+
+
+class FusedSlice:
+    """One buffer [L, 2, B, Hkv, N, D] and one copy per step for every layer at once.
+
+    A lower bound, not a design: in a real forward each layer's K/V exist only after
+    the layer below has run, so they cannot all be written by one call.
+    """
+
+    def __init__(self, n_layers: int, capacity: int, like: torch.Tensor) -> None:
+        b, hkv, _, d = like.shape
+        self.buf = like.new_zeros(n_layers, 2, b, hkv, capacity, d)  # (L, 2, B, Hkv, N, D)
+        self.n = 0
+
+    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        p = k.shape[2]
+        self.buf[:, 0, :, :, :p] = k
+        self.buf[:, 1, :, :, :p] = v
+        self.n = p
+
+    def step(self, k: torch.Tensor, v: torch.Tensor, kv_all: torch.Tensor) -> None:
+        self.buf.narrow(4, self.n, 1).copy_(kv_all)  # kv_all (L, 2, B, Hkv, 1, D)
+        self.n += 1
+
+    def last_layer(self) -> torch.Tensor:
+        return self.buf[-1, 0, :, :, : self.n]
+
+
+def make_appender(kind: str, setup: AppendSetup, like: torch.Tensor):
+    """A fresh appender of `kind` (a key of LABELS) able to hold prefill + decode positions."""
+    cap, n = setup.prefill + setup.decode, setup.n_layers
+    makers: dict[str, Callable[[], object]] = {
+        "cat": lambda: CourseAppender(ConcatCache(n)),
+        "slice": lambda: CourseAppender(WindowCache(n, cap)),
+        "ring": lambda: CourseAppender(RingCache(n, cap)),
+        "grow_linear": lambda: CourseAppender(GrowableCache(n, setup.grow_start, "linear")),
+        "grow_double": lambda: CourseAppender(GrowableCache(n, setup.grow_start, "double")),
+        "bare_cat": lambda: BareCat(n),
+        "bare_slice": lambda: BareSlice(n, cap, like),
+        "fused_slice": lambda: FusedSlice(n, cap, like),
+    }
+    return makers[kind]()
+
+
+def _step_data(setup: AppendSetup, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The prefill K/V and, per decode step, (k, v, kv_all): made before timing starts."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (setup.batch, setup.n_kv_heads, setup.prefill, setup.head_dim)
+    k0, v0 = (torch.randn(shape, generator=gen, dtype=dtype).to(device) for _ in range(2))
+    steps = []
+    for _ in range(setup.decode):
+        k, v = (torch.randn(shape[:2] + (1, shape[3]), generator=gen, dtype=dtype).to(device) for _ in range(2))
+        kv_all = torch.stack((k, v)).unsqueeze(0).expand(setup.n_layers, -1, -1, -1, -1, -1).contiguous()
+        steps.append((k, v, kv_all))  # k, v (B, Hkv, 1, D); kv_all (L, 2, B, Hkv, 1, D)
+    return (k0, v0), steps
+
+
+def bench_append(setup: AppendSetup, kinds: list[str], rounds: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32, progress=None) -> dict:
+    """Per-step seconds of appending one position to all layers, for each kind, interleaved step by step.
+
+    Round 0 is a warm-up and is discarded; each appender is rebuilt every round.
+    Returns cache lengths, per-step medians over rounds, overall medians and a content check.
+    """
+    (k0, v0), steps = _step_data(setup, device, dtype)
+    times = {kind: [[] for _ in steps] for kind in kinds}
+    max_diff = 0.0
+    for r in range(rounds + 1):
+        apps = {kind: make_appender(kind, setup, k0) for kind in kinds}
+        for app in apps.values():
+            app.prefill(k0, v0)
+        for i, (k, v, kv_all) in enumerate(steps):
+            for kind in rotated(kinds, i + r):
+                t = timed(lambda app=apps[kind], k=k, v=v, kv_all=kv_all: app.step(k, v, kv_all), device)
+                if r > 0:
+                    times[kind][i].append(t)
+            if progress is not None:
+                progress.update(1)
+        ref = apps[kinds[0]].last_layer()
+        max_diff = max([max_diff] + [float((a.last_layer() - ref).abs().max()) for a in apps.values()])
+        del apps
+    per_step = {kind: [median(ts) for ts in times[kind]] for kind in kinds}
+    return {
+        "setup": asdict(setup),
+        "cache_length": [setup.prefill + i + 1 for i in range(setup.decode)],  # keys held after the step
+        "per_step_s": per_step,
+        "median_step_s": {kind: median(per_step[kind]) for kind in kinds},
+        "max_content_diff": max_diff,
+    }
+
+
+def repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Copy each K/V head H/Hkv times (as `repeat_kv` does), then plain attention; q [B, H, T, D] -> [B, H, T, D]."""
+    b, hkv, s, d = k.shape
+    g = q.shape[1] // hkv
+    k = k[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d)  # (B, H, S, D): a copy
+    v = v[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d)
+    return ((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))).softmax(dim=-1) @ v
+
+
+ATTENTION = {
+    "repeat_kv": repeat_kv_attention,
+    "gqa": lambda q, k, v: attend(q, k, v, None),
+    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+}
+
+
+def bench_append_attention(setup: AppendSetup, caches: list[str], rounds: int, device: torch.device,
+                           dtype: torch.dtype = torch.float32, progress=None) -> dict:
+    """Per-step seconds of append plus one-token attention in every layer, for each cache x attention method."""
+    (k0, v0), steps = _step_data(setup, device, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    q = torch.randn(setup.batch, setup.n_heads, 1, setup.head_dim, generator=gen, dtype=dtype).to(device)
+    combos = [f"{c}/{m}" for c in caches for m in ATTENTION]
+    times = {combo: [[] for _ in steps] for combo in combos}
+    outputs: dict[str, torch.Tensor] = {}
+    for r in range(rounds + 1):
+        cache_objs = {combo: make_appender(combo.split("/")[0], setup, k0).cache for combo in combos}
+        for cache in cache_objs.values():
+            CourseAppender(cache).prefill(k0, v0)
+        for i, (k, v, _) in enumerate(steps):
+            for combo in rotated(combos, i + r):
+                cache, method = cache_objs[combo], ATTENTION[combo.split("/")[1]]
+
+                def step(cache=cache, method=method, combo=combo, k=k, v=v):
+                    for layer in range(cache.n_layers):
+                        outputs[combo] = method(q, *cache.append(layer, k, v))  # (B, H, 1, D)
+                    cache.advance(1)
+
+                t = timed(step, device)
+                if r > 0:
+                    times[combo][i].append(t)
+            if progress is not None:
+                progress.update(1)
+    ref = outputs[combos[0]]
+    per_step = {combo: [median(ts) for ts in times[combo]] for combo in combos}
+    return {
+        "setup": asdict(setup),
+        "cache_length": [setup.prefill + i + 1 for i in range(setup.decode)],
+        "per_step_s": per_step,
+        "median_step_s": {combo: median(per_step[combo]) for combo in combos},
+        "max_output_diff": max(float((o - ref).abs().max()) for o in outputs.values()),
+    }

@@ -1,0 +1,243 @@
+"""Benchmarks of whole models: greedy generation with and without every cache, and the bandwidth floor.
+
+Introduced in chapter 7. Every generation runs in lockstep with the others (step i of
+each method, in rotating order, before step i + 1 of any), so a change in the
+machine's load touches all methods alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+
+from labcode.bench.timing import Streamer, median, rotated, timed
+from labcode.caches import ConcatCache, GrowableCache, RingCache, WindowCache
+from labcode.flops import generation_flops
+from labcode.generate import decode_step, prefill
+from labcode.model import GPT
+
+METHODS = ("nocache", "cat", "window", "ring", "grow_linear", "grow_double", "naive", "explicit")
+LABELS = {
+    "nocache": "no cache (full forward each step)",
+    "cat": "ConcatCache",
+    "window": "WindowCache (slice write)",
+    "ring": "RingCache",
+    "grow_linear": "GrowableCache, linear",
+    "grow_double": "GrowableCache, doubling",
+    "naive": "state inside the model (use_cache=True)",
+    "explicit": "explicit (K, V) pairs (return_cache=True)",
+}
+
+
+class Runner:
+    """One generation method: `start(ids)` runs the prompt, `step(token)` one new token; both return logits [B, V]."""
+
+    def __init__(self, model: GPT, method: str, capacity: int) -> None:
+        self.model, self.method = model, method
+        n = model.cfg.n_layers
+        self.cache = {
+            "cat": lambda: ConcatCache(n),
+            "window": lambda: WindowCache(n, capacity),
+            "ring": lambda: RingCache(n, capacity),
+            "grow_linear": lambda: GrowableCache(n, 16, "linear"),
+            "grow_double": lambda: GrowableCache(n, 16, "double"),
+        }.get(method, lambda: None)()
+        self.ids: torch.Tensor | None = None
+        self.pairs = None
+
+    def start(self, ids: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        if self.method == "nocache":
+            self.ids = ids
+            return m(ids)[:, -1]
+        if self.method == "naive":
+            m.reset_kv_cache()
+            return m(ids, use_cache=True)[:, -1]
+        if self.method == "explicit":
+            logits, self.pairs = m(ids, None, return_cache=True)
+            return logits[:, -1]
+        return prefill(m, ids, self.cache)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        if self.method == "nocache":
+            self.ids = torch.cat((self.ids, token.unsqueeze(1)), dim=1)  # (B, P + i)
+            return m(self.ids)[:, -1]
+        if self.method == "naive":
+            return m(token.unsqueeze(1), use_cache=True)[:, -1]
+        if self.method == "explicit":
+            logits, self.pairs = m(token.unsqueeze(1), self.pairs, return_cache=True)
+            return logits[:, -1]
+        return decode_step(m, token, self.cache)
+
+
+@torch.inference_mode()
+def bench_generation(model: GPT, prompt_len: int, new_tokens: int, rounds: int, methods=METHODS,
+                     seed: int = 0, progress=None) -> dict:
+    """Greedy generation of `new_tokens` after a random prompt, every method in lockstep.
+
+    Call 0 is the prompt (prefill, or the first full forward); calls 1..n-1 are decode
+    steps. Returns per-call median seconds, totals, tokens/s, the measured speedup of
+    each cache over no cache and the FLOP-count prediction, and correctness values.
+    """
+    device, cfg = model.device, model.cfg
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=gen).to(device)
+    methods = list(methods)
+    _generate_lockstep(model, ids, min(3, new_tokens), methods, 0, None)  # warm-up
+    times: dict[str, list[list[float]]] = {m: [[] for _ in range(new_tokens)] for m in methods}
+    for r in range(rounds):
+        logits, step_times = _generate_lockstep(model, ids, new_tokens, methods, r, progress)
+        for m in methods:
+            for i, t in enumerate(step_times[m]):
+                times[m][i].append(t)
+    per_step = {m: [median(ts) for ts in times[m]] for m in methods}
+    total = {m: sum(per_step[m]) for m in methods}
+    flops = {c: sum(generation_flops(cfg, prompt_len, new_tokens, cached=c)) for c in (False, True)}
+    ref = logits["nocache"]
+    return {
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "positions": [prompt_len + i for i in range(new_tokens)],  # tokens in the context at each call
+        "per_step_s": per_step,
+        "total_s": total,
+        "tokens_per_s": {m: new_tokens / total[m] for m in methods},
+        "speedup": {m: total["nocache"] / total[m] for m in methods},
+        "flops_nocache": flops[False],
+        "flops_cached": flops[True],
+        "predicted_speedup": flops[False] / flops[True],
+        "ids_match": {m: bool(torch.equal(logits[m].argmax(-1), ref.argmax(-1))) for m in methods},
+        "max_logit_diff": {m: float((logits[m] - ref).abs().max()) for m in methods},
+    }
+
+
+def _generate_lockstep(model: GPT, ids: torch.Tensor, n: int, methods: list[str], shift: int, progress):
+    """Run all methods side by side, each feeding back its own greedy token; return logits [n, V], seconds per call."""
+    device = model.device
+    runners = {m: Runner(model, m, ids.shape[1] + n) for m in methods}
+    logits = {m: [] for m in methods}
+    step_times = {m: [] for m in methods}
+    for i in range(n):
+        for m in rotated(methods, i + shift):
+            run = runners[m]
+            if i == 0:
+                fn = lambda run=run: logits[run.method].append(run.start(ids))  # noqa: E731
+            else:
+                token = logits[m][-1].argmax(dim=-1)  # (B,)
+                fn = lambda run=run, token=token: logits[run.method].append(run.step(token))  # noqa: E731
+            step_times[m].append(timed(fn, device))
+        if progress is not None:
+            progress.update(1)
+    model.reset_kv_cache()
+    return {m: torch.cat(v) for m, v in logits.items()}, step_times
+
+
+def weight_bytes_per_step(model: GPT) -> int:
+    """Bytes of weights one decode step reads: every parameter, except that the position table gives one row."""
+    total = sum(p.nbytes for p in model.parameters())
+    if model.pos_emb is not None:
+        w = model.pos_emb.weight
+        total -= w.nbytes - w[0].nbytes
+    return total
+
+
+def kv_bytes_per_step(model: GPT, keys: int, batch: int = 1) -> int:
+    """Bytes of K and V one decode step reads when `keys` positions (the new one included) are attended to."""
+    cfg = model.cfg
+    return 2 * cfg.n_layers * batch * keys * cfg.n_kv_heads * cfg.head_dim * model.tok_emb.weight.element_size()
+
+
+def _fill(cache: WindowCache, model: GPT, length: int, gen: torch.Generator) -> None:
+    """Put `length` random positions in every layer of `cache`: a decode step's cost does not depend on the values."""
+    cfg = model.cfg
+    if length == 0:
+        return
+    shape = (1, cfg.n_kv_heads, length, cfg.head_dim)
+    k = torch.randn(shape, generator=gen).to(model.device, model.dtype)
+    for layer in range(cfg.n_layers):
+        cache.append(layer, k, k)
+    cache.advance(length)
+
+
+def row_major_copy(model: GPT) -> GPT:
+    """A copy of `model` whose every weight is stored row by row (PyTorch's default layout)."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.data = p.data.contiguous()
+    return other
+
+
+@torch.inference_mode()
+def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, streamer: Streamer,
+                variants: dict[str, GPT] | None = None, warmup: int = 2, progress=None) -> dict:
+    """Seconds per cached decode step at each position, next to (weights + K/V bytes) / measured bandwidth.
+
+    `variants` (other models of the same shape, e.g. another weight layout) are timed
+    interleaved with `model`, step by step. Bandwidth is measured by `streamer` between
+    positions, in the same process; the floor uses the median of all those measurements.
+    """
+    device, gen = model.device, torch.Generator(device="cpu").manual_seed(0)
+    models = {"model": model, **(variants or {})}
+    token = torch.zeros(1, dtype=torch.long, device=device)
+    step_s = {name: defaultdict(list) for name in models}
+    bandwidth = [streamer.measure()]
+    for r in range(rounds):
+        for p in positions:
+            caches = {name: WindowCache(m.cfg.n_layers, m.cfg.context_length) for name, m in models.items()}
+            for name, m in models.items():
+                _fill(caches[name], m, p, gen)
+                for _ in range(warmup):
+                    decode_step(m, token, caches[name])
+            for s in range(steps):
+                for name in rotated(list(models), s + r):
+                    m, c = models[name], caches[name]
+                    step_s[name][p].append(timed(lambda m=m, c=c: decode_step(m, token, c), device))
+            del caches
+            bandwidth.append(streamer.measure())
+            if progress is not None:
+                progress.update(1)
+    bw = {key: median([b[key] for b in bandwidth]) for key in bandwidth[0]}
+    w_bytes = weight_bytes_per_step(model)
+    # Steps at p + warmup .. p + warmup + steps - 1 were timed; their keys include the new one.
+    keys = [p + warmup + (steps + 1) // 2 for p in positions]
+    kv = [kv_bytes_per_step(model, s) for s in keys]
+    floor = [(w_bytes + b) / bw["best"] for b in kv]
+    med = {name: [median(step_s[name][p]) for p in positions] for name in models}
+    return {
+        "positions": positions,
+        "step_s": med["model"],
+        "weight_bytes": w_bytes,
+        "kv_bytes": kv,
+        "bandwidth_bytes_per_s": bw,
+        "bandwidth_samples": [b["best"] for b in bandwidth],
+        "floor_s": floor,
+        "ratio": [t / f for t, f in zip(med["model"], floor, strict=True)],
+        "variants": {name: {"step_s": med[name], "ratio": [t / f for t, f in zip(med[name], floor, strict=True)]}
+                     for name in models if name != "model"},
+    }
+
+
+@torch.inference_mode()
+def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
+    """Where a cached decode step's time goes: self time per (aten op, input shapes), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = WindowCache(model.cfg.n_layers, model.cfg.context_length)
+    _fill(cache, model, position, torch.Generator(device="cpu").manual_seed(0))
+    token = torch.zeros(1, dtype=torch.long, device=model.device)
+    decode_step(model, token, cache)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            decode_step(model, token, cache)
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        self_us = e.self_device_time_total if model.device.type == "cuda" else e.self_cpu_time_total
+        if self_us > 0:
+            rows.append({"op": e.key, "shapes": str(e.input_shapes), "calls_per_step": e.count / steps,
+                         "self_s_per_step": self_us / 1e6 / steps})
+    return sorted(rows, key=lambda row: -row["self_s_per_step"])

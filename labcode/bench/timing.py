@@ -1,0 +1,112 @@
+"""Timing helpers: synchronised wall-clock timers, medians, per-operation overhead, bandwidth.
+
+Introduced in chapter 7. Every comparison runs in one process, interleaved (the order
+of the contenders rotates every step), after a warm-up, and is summarised by medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work (CUDA launches return before the kernel has run)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call of `fn` takes, including the device work it queues."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, or NaN for no values."""
+    return statistics.median(values) if len(values) else float("nan")
+
+
+def rotated(names: Sequence[str], k: int) -> list[str]:
+    """`names` rotated left by k: who goes first changes every step, so no contender always runs cold."""
+    k %= max(len(names), 1)
+    return list(names[k:]) + list(names[:k])
+
+
+def per_call(fn: Callable[[], object], device: torch.device, calls: int = 200, repeats: int = 7) -> float:
+    """Median over `repeats` batches of the mean seconds per call of `fn` (for calls of a few microseconds)."""
+    fn()
+    batches = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        batches.append((time.perf_counter() - t0) / calls)
+    return median(batches)
+
+
+def op_overhead(device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Microseconds per call of the smallest things a cache append does, on a [1, 3, 256, 64] buffer."""
+    buf = torch.zeros(1, 3, 256, 64, dtype=dtype, device=device)
+    row = torch.ones(1, 3, 1, 64, dtype=dtype, device=device)
+    empty = row[:, :, :0]
+    one = torch.zeros(1, dtype=dtype, device=device)
+
+    def empty_assign():
+        buf[:, :, 0:0] = empty
+
+    def row_assign():
+        buf[:, :, 5:6] = row
+
+    ops = {
+        "view (narrow)": lambda: buf.narrow(2, 5, 1),
+        "add_ on one element": lambda: one.add_(1),
+        "empty slice assignment": empty_assign,
+        "one-row slice assignment": row_assign,
+        "one-row narrow().copy_()": lambda: buf.narrow(2, 5, 1).copy_(row),
+        "cat of 128 rows and 1 row": lambda: torch.cat((buf[:, :, :128], row), dim=2),
+    }
+    return {name: per_call(fn, device) * 1e6 for name, fn in ops.items()}
+
+
+class Streamer:
+    """Large matrix-vector products whose matrix is far bigger than the caches: their speed is memory bandwidth."""
+
+    def __init__(self, mbytes: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        cols = 4096
+        rows = max(256, mbytes * 2**20 // (cols * torch.finfo(dtype).bits // 8))
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.row_major = torch.randn(rows, cols, generator=gen, dtype=dtype).to(device)  # (rows, cols)
+        self.col_major = self.row_major.t().contiguous().t()  # same values, stored column by column
+        self.x = torch.randn(cols, generator=gen, dtype=dtype).to(device)
+        self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        return self.row_major.nbytes
+
+    def measure(self, repeats: int = 3) -> dict[str, float]:
+        """Bytes per second of a matrix-vector product, each storage order, median of `repeats`."""
+        out = {}
+        for name in ("row_major", "col_major"):
+            w = getattr(self, name)
+            out[name] = self.nbytes / median([timed(lambda w=w: torch.mv(w, self.x), self.device)
+                                              for _ in range(repeats)])
+        out["best"] = max(out.values())
+        return out
+
+
+def matmul_flops_per_s(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n float32 matrix product: what the machine computes when memory is not the limit."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b
+    return 2 * n**3 / median([timed(lambda: a @ b, device) for _ in range(repeats)])

@@ -1,0 +1,131 @@
+"""Quantised K/V: integer codes and a scale per token (or per group), optionally after a Hadamard rotation.
+
+Introduced in chapter 9. Symmetric absmax quantisation: codes = round(x / scale) with
+scale = max|x| / (2^(bits-1) - 1) over each token's head vector (or each group of it).
+A Hadamard rotation H (orthonormal, H = H^T = H^-1) spreads an outlier channel over
+every channel before rounding; since (qH)(kH)^T = q k^T, rotating back the dequantised
+keys is the same as rotating the queries (llama.cpp rotates Q and K).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from labcode.caches.base import KVCache, expect
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard matrix [n, n] (Sylvester's construction); n must be a power of two."""
+    expect(isinstance(n, int) and n > 0 and n & (n - 1) == 0, "n", "a power of two", n)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)), dim=0)  # [[H, H], [H, -H]]
+    return (h / n**0.5).to(dtype=dtype, device=device)
+
+
+def check_format(x: torch.Tensor, bits: int, group_size: int | None) -> int:
+    """Raise CacheError unless `bits` is in [2, 8] and `group_size` divides D = x.shape[-1]; return the group size."""
+    expect(isinstance(bits, int) and 2 <= bits <= 8, "bits", "an int in [2, 8]", bits)
+    d = x.shape[-1]
+    g = d if group_size is None else group_size
+    expect(isinstance(g, int) and g > 0 and d % g == 0, "group_size", f"None or a positive divisor of D={d}",
+           group_size)
+    return g
+
+
+def quantize(x: torch.Tensor, bits: int = 8, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes int8 [..., D], scales float32 [..., D / group_size]); one group = one token by default."""
+    g = check_format(x, bits, group_size)
+    qmax = 2 ** (bits - 1) - 1
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // g, g).to(torch.float32)  # (..., D/g, g)
+    scales = groups.abs().amax(dim=-1) / qmax  # (..., D/g)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group keeps codes 0
+    codes = torch.round(groups / safe.unsqueeze(-1)).clamp(-qmax, qmax).to(torch.int8)
+    return codes.reshape(x.shape), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize`, up to rounding: [..., D] in `dtype`."""
+    g = codes.shape[-1] // scales.shape[-1]
+    groups = codes.reshape(*codes.shape[:-1], scales.shape[-1], g).to(torch.float32) * scales.unsqueeze(-1)
+    return groups.reshape(codes.shape).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, bits: int = 8, group_size: int | None = None,
+                  rotate: bool = False) -> torch.Tensor:
+    """What a quantised cache gives back for x [..., D]: dequantize(quantize(x H)) H^T, H = I unless `rotate`."""
+    h = hadamard(x.shape[-1], x.dtype, x.device) if rotate else None
+    y = x @ h if rotate else x
+    y = dequantize(*quantize(y, bits, group_size), x.dtype)
+    return y @ h.T if rotate else y
+
+
+class QuantizedCache(KVCache):
+    """Stores int8 codes and float32 scales of K and V (after an optional Hadamard rotation), grown by concatenation."""
+
+    def __init__(self, n_layers: int, bits: int = 8, group_size: int | None = None, rotate: bool = False) -> None:
+        super().__init__(n_layers)
+        expect(isinstance(bits, int) and 2 <= bits <= 8, "bits", "an int in [2, 8]", bits)
+        expect(group_size is None or (isinstance(group_size, int) and group_size > 0), "group_size",
+               "None or a positive int", group_size)
+        self.bits, self.group_size, self.rotate = bits, group_size, rotate
+        self.codes: list[list[torch.Tensor] | None] = [None] * n_layers  # [k_codes, k_scales, v_codes, v_scales]
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ hadamard(x.shape[-1], x.dtype, x.device) if self.rotate else x
+        return quantize(y, self.bits, self.group_size)
+
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        y = dequantize(codes, scales, self.dtype)
+        return y @ hadamard(y.shape[-1], y.dtype, y.device).T if self.rotate else y
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(k, torch.Tensor) and k.dim() == 4:  # the format needs D: checked before any change
+            d = k.shape[-1]
+            expect(not self.rotate or d & (d - 1) == 0, "k", "a head dim that is a power of two (for the rotation)",
+                   d)
+            check_format(k, self.bits, self.group_size)
+        return super().append(layer, k, v)
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        new = [*self._encode(k), *self._encode(v)]
+        old = self.codes[layer]
+        self.codes[layer] = new if old is None else [torch.cat((a, b), dim=2) for a, b in zip(old, new, strict=True)]
+        kc, ks, vc, vs = self.codes[layer]
+        return self._decode(kc, ks), self._decode(vc, vs)  # (B, Hkv, S, D): every step dequantises all S
+
+    def length(self, layer: int = 0) -> int:
+        return 0 if self.codes[layer] is None else self.codes[layer][0].shape[2]
+
+    def reset(self) -> None:
+        super().reset()
+        self.codes = [None] * self.n_layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for c in self.codes if c is not None for t in c)
+
+
+def with_key_outliers(model, factor: float, channel: int = 0):
+    """A copy of a learned-position `model` whose keys have an outlier `channel` in every head.
+
+    Key channel c is multiplied by `factor` and query channel c divided by it, so every
+    score q.k, hence every logit, is unchanged up to rounding; only the cached keys differ.
+    """
+    expect(not model.cfg.rotary, "model", "learned positions (rotary mixes channel pairs)", "rotary=True")
+    expect(factor != 0, "factor", "a non-zero number", factor)
+    d, h, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
+    expect(isinstance(channel, int) and 0 <= channel < d, "channel", f"an int in [0, {d})", channel)
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in out.blocks:
+            attn = block.attn
+            for head in range(hkv):  # kv_proj rows: K heads first, then V heads
+                attn.kv_proj.weight[head * d + channel] *= factor
+                attn.kv_proj.bias[head * d + channel] *= factor
+            for head in range(h):
+                attn.q_proj.weight[head * d + channel] /= factor
+                attn.q_proj.bias[head * d + channel] /= factor
+    return out

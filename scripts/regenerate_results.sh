@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Regenerate every committed QA result, then re-execute the pages that read them.
+#
+#   bash scripts/regenerate_results.sh
+#
+# How the QA notebooks, their results and the tests fit together:
+# - Each QA notebook (qa/*.ipynb except qa/verdicts.ipynb) takes papermill parameters in its first
+#   code cell (tagged `parameters`) and writes one JSON result with labcode.results.QAResult:
+#   atomically, and raising (so that papermill exits non-zero) when a check fails. The failed result
+#   is still written, so the reason can be read.
+# - The parameter `output_path` decides where the result goes. Its default, empty, means
+#   qa/_runs/results/<name>.json, which git ignores: running a notebook with its defaults (nbval in
+#   the test suite, a reader pressing "run all") never touches the committed qa/results/.
+# - This script is where the committed parameters live: each papermill line below writes one file of
+#   qa/results/. Only parameters that differ from the notebook's defaults are passed; the result file
+#   records all of them (every parameter except output_path).
+# - tests/test_qa.py replays each committed result: it re-runs the notebook named in the file with
+#   the parameters recorded in it, into a temporary folder, and compares the two files (same checks,
+#   same verdicts, values within stated tolerances, timings never compared).
+#   tests/test_results_schema.py validates every file against qa/results.schema.json.
+# - The QA notebooks are committed with the outputs of a default run, and qa/verdicts.ipynb and the
+#   chapter-6 notebook with outputs computed from qa/results/; nbval checks all of them. So after
+#   regenerating, this script re-executes them in place.
+#
+# If a QA run fails, the script stops with papermill's error; the executed notebook is kept in
+# qa/_runs/ for reading.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+unset MPLBACKEND  # a non-interactive backend set here would drop every figure from the notebooks
+mkdir -p qa/_runs
+
+run_qa() {  # run_qa NOTEBOOK RESULT [papermill -p NAME VALUE ...]
+  local notebook="$1" result="$2"
+  shift 2
+  echo "regenerating qa/results/$result from $notebook"
+  .venv/bin/papermill -k python3 --cwd . --no-progress-bar --log-level WARNING \
+    "$notebook" "qa/_runs/${result%.json}.ipynb" -p output_path "qa/results/$result" "$@"
+}
+
+run_qa qa/equivalence.ipynb equivalence_float64.json -p dtype float64
+run_qa qa/equivalence.ipynb equivalence_float32.json -p dtype float32
+run_qa qa/probes.ipynb probes.json
+run_qa qa/rotary_kshift.ipynb rotary_kshift.json
+
+# Committed outputs: the QA notebooks with their defaults (writing only under qa/_runs/), then the
+# pages computed from qa/results/.
+bash scripts/execute_notebooks.sh qa/equivalence.ipynb qa/probes.ipynb qa/rotary_kshift.ipynb
+bash scripts/execute_notebooks.sh qa/verdicts.ipynb notebooks/06_when_the_cache_changes_the_answer.ipynb
+echo "regenerated: $(ls qa/results/*.json | tr '\n' ' ')"

@@ -1,0 +1,232 @@
+"""The benchmark suite and the counting formulas of chapter 7.
+
+The suite runs end to end at its smallest sizes and writes a schema-valid result with
+plots; its timings are never asserted. The FLOP formulas must equal what
+FlopCounterMode measures, exactly, and the cache-bytes formula must equal the bytes
+real caches hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from labcode import GPT, get_config
+from labcode.bench import SIZES, random_model
+from labcode.bench.__main__ import main as bench_main
+from labcode.bench.append import AppendSetup, bench_append
+from labcode.bench.decode import kv_bytes_per_step, weight_bytes_per_step
+from labcode.caches import ConcatCache, GrowableCache, PairsCache, RingCache, WindowCache
+from labcode.cost import kv_cache_bytes, kv_cache_elements
+from labcode.flops import (
+    attention_flops,
+    attention_sum,
+    forward_flops,
+    generation_flops,
+    linear_params,
+    linear_sum,
+    measure_flops,
+)
+from labcode.generate import generate, generate_nocache
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "qa" / "results.schema.json").read_text())
+
+
+# -- the suite, end to end -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One run of the command line at the "test" sizes: (result document, written figure paths)."""
+    out = tmp_path_factory.mktemp("bench")
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(["--test", "--out", str(out / "bench.json"), "--plots", str(out / "plots"),
+                           "--no-progress", "--device", "cpu"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads((out / "bench.json").read_text()), sorted((out / "plots").glob("*.png"))
+
+
+def test_result_file_is_schema_valid_and_machine_dependent(bench_run):
+    doc, _ = bench_run
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["name"] == "bench" and doc["machine_dependent"] is True
+    assert doc["parameters"]["mode"] == "test"
+
+
+def test_result_holds_every_measurement(bench_run):
+    values = bench_run[0]["values"]
+    for key in ("machine", "append", "append_attention", "generation", "floor", "targets", "elapsed_s"):
+        assert key in values, key
+    assert set(values["append"]) == {"candle", "long"}
+    for run in values["append"].values():
+        assert len(run["cache_length"]) == SIZES["test"].append_decode
+        assert set(run["per_step_s"]) == set(run["median_step_s"])
+        assert {"cat", "slice", "ring", "grow_linear", "grow_double"} <= set(run["per_step_s"])
+    assert {"cat/repeat_kv", "cat/gqa", "cat/sdpa", "slice/repeat_kv", "slice/gqa", "slice/sdpa"} == set(
+        values["append_attention"]["median_step_s"])
+    for preset, _, new, _ in SIZES["test"].generation:
+        run = values["generation"][preset]
+        assert set(run["per_step_s"]) >= {"nocache", "cat", "window", "naive", "explicit"}
+        assert all(len(ts) == new for ts in run["per_step_s"].values())
+        assert run["predicted_speedup"] == run["flops_nocache"] / run["flops_cached"]
+    floor = values["floor"]
+    assert len(floor["ratio"]) == len(floor["positions"]) == len(floor["floor_s"])
+
+
+def test_checks_are_about_correctness_and_pass(bench_run):
+    doc, _ = bench_run
+    names = {c["name"] for c in doc["checks"]}
+    assert {"flops_full_forward", "flops_decode_step", "attention_methods_agree"} <= names
+    assert not any("speed" in n or "floor" in n for n in names), "timings must never be checks"
+    assert doc["passed"], [c for c in doc["checks"] if not c["passed"]]
+
+
+def test_targets_are_reported_not_enforced(bench_run):
+    targets = bench_run[0]["values"]["targets"]
+    assert {t["name"] for t in targets} >= {"slice_write_flat", "slice_vs_cat_long", "decode_near_floor"}
+    for t in targets:
+        assert isinstance(t["met"], bool) and isinstance(t["measured"], float)
+
+
+def test_every_figure_is_written(bench_run):
+    _, plots = bench_run
+    assert [p.name for p in plots] == sorted(
+        f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "floor"))
+    assert all(p.stat().st_size > 5000 for p in plots)
+
+
+def test_every_appender_stores_the_same_keys():
+    setup = AppendSetup("t", prefill=5, decode=7, n_layers=2, grow_start=2)
+    kinds = ["cat", "slice", "ring", "grow_linear", "grow_double", "bare_cat", "bare_slice", "fused_slice"]
+    run = bench_append(setup, kinds, rounds=1, device=torch.device("cpu"))
+    assert run["max_content_diff"] == 0.0
+    assert run["cache_length"] == list(range(6, 13))
+
+
+# -- FLOPs: formulas against FlopCounterMode -------------------------------------------------------------------------
+
+CONFIGS = {
+    "mha": get_config("tiny"),
+    "gqa": get_config("tiny", n_kv_heads=2),
+    "mqa": get_config("tiny", n_kv_heads=1),
+    "rotary": get_config("tiny", rotary=True, n_kv_heads=2),
+    "micro": get_config("micro"),
+}
+
+
+def _model(cfg):
+    torch.manual_seed(0)
+    return GPT(cfg).eval()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("batch,t", [(1, 1), (2, 7), (3, 16)])
+def test_full_forward_flops_equal_the_formula(name, batch, t):
+    cfg = CONFIGS[name]
+    model = _model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, t))
+    with torch.inference_mode():
+        measured, per_op = measure_flops(lambda: model(ids))
+    assert measured == forward_flops(cfg, t, 0, batch)
+    assert per_op["bmm"] == attention_flops(cfg, t, t, batch)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("schedule", [(1, 1, 1, 1), (3, 3), (5, 1, 4)])
+def test_cached_chunk_flops_equal_the_formula(name, schedule):
+    cfg = CONFIGS[name]
+    model = _model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, sum(schedule)))
+    cache, start = ConcatCache(cfg.n_layers), 0
+    with torch.inference_mode():
+        for t in schedule:
+            chunk = ids[:, start : start + t]
+            measured, _ = measure_flops(lambda chunk=chunk: model(chunk, cache))
+            assert measured == forward_flops(cfg, t, start, 2), (t, start)
+            start += t
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_generation_flops_equal_the_formula_call_by_call(cached):
+    cfg = CONFIGS["gqa"]
+    model = _model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 5))
+    original, flops_per_call = model.forward, []
+
+    def counted_forward(*args, **kwargs):  # every forward call of the generation loop, counted on its own
+        out = []
+        total, _ = measure_flops(lambda: out.append(original(*args, **kwargs)))
+        flops_per_call.append(total)
+        return out[0]
+
+    model.forward = counted_forward
+    if cached:
+        generate(model, ids, 9, ConcatCache(cfg.n_layers))
+    else:
+        generate_nocache(model, ids, 9)
+    assert flops_per_call == generation_flops(cfg, 5, 9, cached)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 64, 300])
+def test_closed_form_sums_equal_the_step_by_step_sums(n):
+    cfg = get_config("gpt2-124m")
+    unit = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    assert attention_sum(cfg, n, cached=False) == sum(unit * t * t for t in range(1, n + 1))
+    assert attention_sum(cfg, n, cached=True) == sum(unit * t for t in range(1, n + 1))
+    assert linear_sum(cfg, n, cached=False) == sum(2 * linear_params(cfg) * t for t in range(1, n + 1))
+    assert linear_sum(cfg, n, cached=True) == 2 * linear_params(cfg) * n
+    # generation from a one-token prompt without a cache is exactly these sums
+    assert sum(generation_flops(cfg, 1, n, cached=False)) == attention_sum(cfg, n, False) + linear_sum(cfg, n, False)
+
+
+def test_linear_params_counts_the_weight_matrices_of_the_model():
+    for cfg in CONFIGS.values():
+        model = _model(cfg)
+        matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n)
+        assert linear_params(cfg) == matrices
+
+
+# -- bytes -----------------------------------------------------------------------------------------------------------
+
+def test_the_seeds_worked_example_768_elements_6144_bytes():
+    cfg = get_config("micro")  # L=2, C=16: the seed's example
+    model = _model(cfg).double()
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    cache = ConcatCache(cfg.n_layers)
+    with torch.inference_mode():
+        model(ids, cache)
+    assert kv_cache_elements(cfg.n_layers, 2, 6, cfg.n_kv_heads, cfg.head_dim) == 768
+    assert kv_cache_bytes(cfg.n_layers, 2, 6, cfg.n_kv_heads, cfg.head_dim, 8) == 6144 == cache.nbytes
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cache_bytes_formula_equals_real_caches(name, dtype):
+    cfg = CONFIGS[name]
+    model = _model(cfg).to(dtype)
+    b, t = 3, 10
+    ids = torch.randint(0, cfg.vocab_size, (b, t))
+    expected = kv_cache_bytes(cfg.n_layers, b, t, cfg.n_kv_heads, cfg.head_dim, torch.finfo(dtype).bits // 8)
+    caches = [ConcatCache(cfg.n_layers), WindowCache(cfg.n_layers, t), RingCache(cfg.n_layers, t),
+              GrowableCache(cfg.n_layers, t)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids, cache)
+            assert cache.nbytes == expected, type(cache).__name__
+        _, pairs = model(ids, None, return_cache=True)
+    assert sum(k.nbytes + v.nbytes for k, v in pairs) == expected
+    assert isinstance(PairsCache(cfg.n_layers, pairs).length(), int)
+
+
+def test_decode_bytes_count_weights_once_and_one_position_row():
+    cfg = get_config("tiny")
+    model = random_model("tiny", torch.device("cpu"))
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)  # biases and LayerNorm
+    assert weight_bytes_per_step(model) == 4 * (linear_params(cfg) + vectors + cfg.d_model)
+    assert kv_bytes_per_step(model, 10) == kv_cache_bytes(cfg.n_layers, 1, 10, cfg.n_kv_heads, cfg.head_dim, 4)

@@ -1,0 +1,386 @@
+"""The built book in a real browser (Debian's Chromium driven by Playwright): every page loads with no
+console error and no failed or off-site request, maths is typeset, images load, search works, hidden
+solutions open, and the KV-cache explorer shows the same numbers as labcode."""
+
+from __future__ import annotations
+
+import re
+from itertools import product
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import toc_files
+from playwright.sync_api import Page
+
+from labcode.config import get_config
+from labcode.cost import kv_cache_bytes, kv_cache_elements, positions_computed
+from labcode.generate import new_token_budget
+
+PAGES = toc_files()
+CHAPTERS = [f for f in PAGES if f.startswith("notebooks/")]
+
+
+class Watch:
+    """Collects console errors, page errors, failed requests and requests that leave this machine."""
+
+    def __init__(self, page: Page):
+        self.errors: list[str] = []
+        self.failed: list[str] = []
+        self.offsite: list[str] = []
+        page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+        page.on("requestfailed", lambda r: self.failed.append(f"{r.url} ({r.failure})"))
+        page.on("response", lambda r: r.status >= 400 and self.failed.append(f"{r.url} (HTTP {r.status})"))
+        page.on("request", self._request)
+
+    def _request(self, request):
+        parts = urlsplit(request.url)
+        if parts.scheme in ("data", "blob", "about"):
+            return
+        if parts.hostname != "127.0.0.1":
+            self.offsite.append(request.url)
+
+    def assert_clean(self, where: str):
+        assert not self.errors, f"{where}: console errors {self.errors}"
+        assert not self.failed, f"{where}: failed requests {self.failed}"
+        assert not self.offsite, f"{where}: requests that leave this machine {self.offsite}"
+
+
+def open_page(page: Page, base: str, doc: str) -> Watch:
+    watch = Watch(page)
+    page.goto(base + doc + ".html", wait_until="load")
+    page.wait_for_load_state("networkidle")
+    return watch
+
+
+def wait_for_maths(page: Page) -> int:
+    """Wait until every maths element holds a MathJax container; returns how many there are."""
+    count = page.locator("span.math, div.math").count()
+    if count:
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('span.math, div.math')].every(e => e.querySelector('mjx-container'))",
+            timeout=20000,
+        )
+    return count
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_page_loads_cleanly_with_maths_and_images(page: Page, book_server, doc):
+    watch = open_page(page, book_server, doc)
+    assert page.locator("article.bd-article h1").count() >= 1, f"{doc}: no title"
+    maths = wait_for_maths(page)
+    if maths:
+        raw = page.evaluate(
+            r"""() => [...document.querySelectorAll('span.math, div.math')]
+                 .map(e => e.textContent).filter(t => /\\\(|\\\)|\\\[|\\\]/.test(t))"""
+        )
+        assert not raw, f"{doc}: untypeset maths left: {raw[:3]}"
+    broken = page.evaluate(
+        "() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+    )
+    assert not broken, f"{doc}: images that did not load: {broken}"
+    watch.assert_clean(doc)
+
+
+def test_maths_is_typeset_on_the_explorer_page(page: Page, book_server):
+    open_page(page, book_server, "book/explorer")
+    assert wait_for_maths(page) >= 1
+    assert page.locator("article mjx-container").count() >= 1
+
+
+def test_chapters_have_images(page: Page, book_server):
+    if not CHAPTERS:
+        pytest.skip("no chapter notebooks in _toc.yml yet")
+    found = 0
+    for doc in CHAPTERS:
+        open_page(page, book_server, doc)
+        found += page.evaluate("() => [...document.images].filter(i => i.naturalWidth > 0).length")
+    assert found >= 1, "no chapter shows a single image"
+
+
+def _search_term(page: Page, base: str) -> tuple[str, str]:
+    """A distinctive word from a chapter (or, before chapters exist, from the glossary), and its page."""
+    doc = CHAPTERS[0] if CHAPTERS else "book/glossary"
+    open_page(page, base, doc)
+    words = re.findall(r"[A-Za-z][a-z]{6,}", page.locator("article.bd-article h1").first.inner_text())
+    if not words:
+        words = re.findall(r"[A-Za-z][a-z]{6,}", page.locator("article.bd-article").inner_text())
+    return max(words, key=len).lower(), doc
+
+
+def test_search_finds_a_word_from_a_chapter(page: Page, book_server):
+    term, doc = _search_term(page, book_server)
+    watch = Watch(page)
+    page.goto(f"{book_server}search.html?q={term}", wait_until="load")
+    results = page.locator("#search-results ul.search li a")
+    results.first.wait_for(timeout=20000)
+    hrefs = [urlsplit(h).path for h in results.evaluate_all("els => els.map(e => e.href)")]
+    assert any(h.endswith(f"/{doc}.html") for h in hrefs), f"searching {term!r} did not find {doc}: {hrefs}"
+    watch.assert_clean("search")
+
+
+def test_solutions_are_hidden_until_clicked(page: Page, book_server):
+    if not CHAPTERS:
+        pytest.skip("no chapter notebooks in _toc.yml yet")
+    opened = 0
+    for doc in CHAPTERS:
+        watch = open_page(page, book_server, doc)
+        solutions = page.locator("div.solution.dropdown")
+        for i in range(solutions.count()):
+            sol = solutions.nth(i)
+            body = sol.locator(":scope > :not(.admonition-title)").first
+            button = sol.locator(".toggle-button").first
+            assert button.get_attribute("aria-expanded") == "false", f"{doc}: solution {i} is open"
+            assert not body.is_visible(), f"{doc}: solution {i} is visible before a click"
+            button.click()  # the chevron; the title's own text links back to the exercise
+            assert button.get_attribute("aria-expanded") == "true"
+            body.wait_for(state="visible", timeout=5000)
+            opened += 1
+        watch.assert_clean(doc)
+    assert opened >= 1, "no chapter has an exercise solution in a dropdown"
+
+
+# ---- the explorer ----------------------------------------------------------------------------
+
+
+def explorer(page: Page, base: str) -> Watch:
+    watch = open_page(page, base, "book/explorer")
+    page.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    return watch
+
+
+def value(page: Page, key: str) -> int:
+    node = page.locator(f'[data-kv-explorer] [data-kvx="{key}"]').first
+    return int(node.get_attribute("data-value"))
+
+
+def shown(page: Page, key: str) -> str:
+    return page.locator(f'[data-kv-explorer] [data-kvx="{key}"]').first.inner_text()
+
+
+def choose(page: Page, setting: str, number: int):
+    page.locator(f'[data-kv-explorer] select[data-kvx-setting="{setting}"]').select_option(str(number))
+
+
+def test_explorer_functions_match_labcode(page: Page, book_server):
+    explorer(page, book_server)
+    model = get_config("gpt2-124m")
+    fixed = page.evaluate("() => window.KVExplorer.MODEL")
+    assert fixed == {"nLayers": model.n_layers, "nHeads": model.n_heads, "headDim": model.head_dim}
+
+    grid = list(product([1, 12], [1, 2, 8], [0, 1, 7, 1024], [1, 2, 4, 12], [64, 128], [1, 2, 4]))
+    js = page.evaluate(
+        """grid => grid.map(([l, b, t, h, d, s]) => [window.KVExplorer.cacheElements(l, b, t, h, d),
+                                                     window.KVExplorer.cacheBytes(l, b, t, h, d, s)])""",
+        grid,
+    )
+    py = [[kv_cache_elements(n, b, t, h, d), kv_cache_bytes(n, b, t, h, d, s)] for n, b, t, h, d, s in grid]
+    assert js == py
+
+    runs = list(product([1, 3, 6, 24], [0, 1, 2, 9], [True, False]))
+    js = page.evaluate("runs => runs.map(([p, n, c]) => window.KVExplorer.positionsComputed(p, n, c))", runs)
+    assert js == [positions_computed(p, n, c) for p, n, c in runs]
+
+    budgets = list(product([1, 6, 10, 12], [0, 4, 20], [8, 10, 64]))
+    js = page.evaluate("bs => bs.map(([p, n, c]) => window.KVExplorer.newTokenBudget(p, n, c))", budgets)
+    assert [tuple(x) for x in js] == [new_token_budget(p, n, c) for p, n, c in budgets]
+
+
+def test_explorer_answers_clicks_and_keys(page: Page, book_server):
+    watch = explorer(page, book_server)
+    model = get_config("gpt2-124m")
+    L, D = model.n_layers, model.head_dim
+    status = page.locator('[data-kv-explorer] [data-kvx="status"]')
+    assert status.get_attribute("aria-live") == "polite"
+
+    # The seed's capacity example: prompt 6, a position table of 10 rows, 20 tokens requested.
+    choose(page, "prompt", 6)
+    choose(page, "newTokens", 20)
+    choose(page, "context", 10)
+    choose(page, "kvHeads", 4)
+    choose(page, "bytes", 2)
+    n, reason = new_token_budget(6, 20, 10)
+    assert reason == "context_length"
+
+    page.locator('[data-kv-explorer] [data-kvx="next"]').click()
+    page.locator('[data-kv-explorer] [data-kvx="next"]').click()
+    page.locator('[data-kv-explorer] [data-kvx="strip"]').focus()
+    before = status.inner_text()
+    page.keyboard.press("ArrowRight")  # three steps past the prefill: the fourth forward call
+    assert status.inner_text() != before
+    step = 3
+    with_cache, without = positions_computed(6, step + 1, True), positions_computed(6, step + 1, False)
+    assert value(page, "computed") == with_cache[step] == 1
+    assert value(page, "reused") == 6 + step - 1
+    assert value(page, "cum-cached") == sum(with_cache)
+    assert value(page, "cum-uncached") == sum(without)
+    assert shown(page, "cum-uncached") == f"{sum(without):,}"
+    assert value(page, "cache-tokens") == 6 + step
+    total = kv_cache_bytes(L, 1, 6 + step, 4, D, 2)
+    assert value(page, "bytes-total") == total
+    assert value(page, "bytes-layer") == kv_cache_bytes(1, 1, 6 + step, 4, D, 2)
+    assert f"= {total:,} bytes" in shown(page, "formula")
+    assert page.locator('[data-kv-explorer] [data-state="computed"]').count() == 1
+    assert page.locator('[data-kv-explorer] [data-state="reused"]').count() == 6 + step - 1
+
+    # The last call: generation stops at the position table, with a visible reason.
+    assert step == n - 1
+    stop = page.locator('[data-kv-explorer] [data-kvx="stop"]')
+    assert stop.is_visible() and "position table" in stop.inner_text()
+    assert page.locator('[data-kv-explorer] [data-kvx="next"]').is_disabled()
+    page.keyboard.press("n")
+    assert value(page, "cum-cached") == sum(with_cache), "stepped past the position-table limit"
+
+    # Cache off (key c): every position of the sequence is computed again, nothing is kept.
+    page.keyboard.press("c")
+    assert page.locator('[data-kv-explorer] [data-kvx="cache-toggle"]').get_attribute("aria-pressed") == "false"
+    assert value(page, "computed") == without[step] == 6 + step
+    assert value(page, "bytes-total") == 0
+    page.locator('[data-kv-explorer] [data-kvx="cache-toggle"]').click()
+    assert value(page, "computed") == 1
+
+    # Multi-query attention shrinks the cache by the head ratio, and not the position counts.
+    choose(page, "kvHeads", 1)
+    assert value(page, "bytes-total") == kv_cache_bytes(L, 1, 6 + step, 1, D, 2)
+    assert value(page, "cum-cached") == sum(with_cache)
+
+    # A window of 4: older positions drop out and the cache stops growing.
+    choose(page, "context", 64)
+    choose(page, "window", 4)
+    page.locator('[data-kv-explorer] [data-kvx="strip"]').focus()
+    page.keyboard.press("End")
+    n, _ = new_token_budget(6, 20, 64)
+    seq = 6 + n - 1
+    assert value(page, "cache-tokens") == 4
+    assert value(page, "dropped") == seq - 4
+    assert value(page, "visible") == 4
+    assert value(page, "bytes-total") == kv_cache_bytes(L, 1, 4, 1, D, 2)
+    assert value(page, "cum-uncached") == sum(positions_computed(6, n, False))
+    assert "requested tokens generated" in page.locator('[data-kv-explorer] [data-kvx="stop"]').inner_text()
+
+    # Back to the prefill with p and Home; the prefill computes the whole prompt.
+    page.keyboard.press("p")
+    page.keyboard.press("Home")
+    assert value(page, "computed") == 6
+    assert value(page, "cum-cached") == value(page, "cum-uncached") == 6
+    watch.assert_clean("explorer")
+
+
+def test_explorer_is_reachable_with_tab(page: Page, book_server):
+    explorer(page, book_server)
+    page.locator("article.bd-article h1").first.click()
+    wanted = set(
+        page.evaluate(
+            """() => [...document.querySelectorAll(
+                   '[data-kv-explorer] select, [data-kv-explorer] button, [data-kv-explorer] [tabindex="0"]')]
+                 .filter(e => !e.disabled).map(e => e.id || e.dataset.kvx)"""
+        )
+    )
+    assert len(wanted) >= 10, wanted
+    reached = set()
+    for _ in range(250):
+        page.keyboard.press("Tab")
+        reached.add(
+            page.evaluate(
+                "() => { const e = document.activeElement; return e && e.closest('[data-kv-explorer]') ? "
+                "(e.id || e.dataset.kvx) : null }"
+            )
+        )
+        if wanted <= reached:
+            break
+    assert wanted <= reached, f"not reachable with Tab: {wanted - reached}"
+
+
+def _contrast(page: Page, selector: str) -> float:
+    """WCAG contrast ratio between an element's text colour and its (first opaque) background."""
+    return page.evaluate(
+        """sel => {
+            const parse = c => c.match(/[\\d.]+/g).map(Number);
+            const lum = ([r, g, b]) => {
+                const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+                return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+            };
+            const el = document.querySelector(sel);
+            let bg = null;
+            for (let n = el; n; n = n.parentElement) {
+                const c = parse(getComputedStyle(n).backgroundColor);
+                if (c.length < 4 || c[3] > 0.9) { bg = c; break; }
+            }
+            bg = bg || [255, 255, 255];
+            const [a, b] = [lum(parse(getComputedStyle(el).color)), lum(bg)];
+            return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+        }""",
+        selector,
+    )
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_explorer_readable_on_a_phone_in_both_themes(browser, book_server, artifacts_dir, scheme):
+    context = browser.new_context(viewport={"width": 375, "height": 812}, color_scheme=scheme)
+    try:
+        page = context.new_page()
+        watch = explorer(page, book_server)
+        assert page.evaluate("() => document.documentElement.dataset.theme") == scheme
+        page.locator('[data-kv-explorer] [data-kvx="next"]').click()
+        overflow = page.evaluate(
+            """() => [...document.querySelectorAll('[data-kv-explorer] *')]
+                 .filter(e => e.getBoundingClientRect().right > window.innerWidth + 1)
+                 .map(e => e.className || e.tagName)"""
+        )
+        assert not overflow, f"explorer elements wider than a 375px screen: {overflow[:5]}"
+        for sel in (
+            '[data-kvx="status"]',
+            ".kvx-cell.kvx-computed",
+            ".kvx-cell.kvx-reused",
+            '.kvx-metric-value[data-kvx="computed"]',
+            ".kvx-field label",
+            ".kvx-hint",
+        ):
+            ratio = _contrast(page, "[data-kv-explorer] " + sel)
+            assert ratio >= 4.5, f"{scheme}: contrast {ratio:.2f} for {sel}"
+        # Viewport shots: a full-page shot of a phone layout paints the sticky header mid-page.
+        for part, sel in (("settings", "[data-kv-explorer]"), ("positions", '[data-kvx="status"]')):
+            page.locator(sel).first.evaluate("e => e.scrollIntoView()")
+            page.screenshot(path=str(artifacts_dir / f"explorer-375px-{scheme}-{part}.png"))
+        watch.assert_clean(f"explorer at 375px, {scheme}")
+    finally:
+        context.close()
+
+
+def test_screenshots(browser, book_server, artifacts_dir):
+    """Full-page screenshots of the introduction, one chapter and the explorer, for people to look at."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, color_scheme="light")
+    try:
+        page = context.new_page()
+        chapter = CHAPTERS[0] if CHAPTERS else "book/verification"
+        for name, doc in [("intro", "book/intro"), ("chapter", chapter), ("explorer", "book/explorer")]:
+            open_page(page, book_server, doc)
+            wait_for_maths(page)
+            path = artifacts_dir / f"{name}.png"
+            page.screenshot(path=str(path), full_page=True)
+            assert path.stat().st_size > 10_000, path
+    finally:
+        context.close()
+
+
+def test_explorer_edge_cases(page: Page, book_server):
+    watch = explorer(page, book_server)
+    model = get_config("gpt2-124m")
+    stop = page.locator('[data-kv-explorer] [data-kvx="stop"]')
+
+    # A prompt longer than the window is prefilled in chunks; only the last W positions stay.
+    choose(page, "prompt", 10)
+    choose(page, "window", 4)
+    assert value(page, "computed") == positions_computed(10, 1, True)[0] == 10
+    assert value(page, "dropped") == 6 and value(page, "cache-tokens") == 4
+    assert value(page, "bytes-total") == kv_cache_bytes(model.n_layers, 1, 4, 12, model.head_dim, 2)
+    assert page.locator('[data-kv-explorer] [data-state="dropped"]').count() == 6
+
+    # A prompt that fills, or overflows, the position table generates nothing, and says why.
+    for context in (10, 8):
+        choose(page, "context", context)
+        assert new_token_budget(10, 8, context)[0] == 0
+        assert stop.is_visible() and "Nothing to generate" in stop.inner_text()
+        assert page.locator('[data-kv-explorer] [data-kvx="next"]').is_disabled()
+        assert value(page, "bytes-total") == 0 and value(page, "cum-uncached") == 0
+    watch.assert_clean("explorer edge cases")

@@ -1,0 +1,313 @@
+"""Every bad input raises a clear error (which argument, what was expected, what was given)
+before anything changes: each test snapshots the whole cache state, makes the bad call,
+and checks the error message and that the state is exactly what it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labcode import GPT, GPTConfig
+from labcode.caches import (
+    CacheError,
+    ConcatCache,
+    GrowableCache,
+    ModuleStateCache,
+    PairsCache,
+    RingCache,
+    WindowCache,
+)
+from labcode.caches.base import snapshot, states_equal
+from labcode.caches.prealloc import PreallocatedCache
+from labcode.generate import decode_step, generate, prefill
+from labcode.masks import causal_mask, positions_mask, sliding_window_mask
+
+CFG = GPTConfig(vocab_size=13, context_length=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
+torch.manual_seed(0)
+MODEL = GPT(CFG).double().eval()
+MODEL32 = GPT(CFG).float().eval()
+IDS = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+W = 8  # the window of the window caches in these tests
+
+FACTORIES = {
+    "concat": lambda: ConcatCache(2),
+    "pairs": lambda: PairsCache(2),
+    "window": lambda: WindowCache(2, W),
+    "ring": lambda: RingCache(2, W),
+    "growable-linear": lambda: GrowableCache(2, 3),
+    "growable-double": lambda: GrowableCache(2, 3, policy="double"),
+    "naive": lambda: (MODEL.reset_kv_cache(), ModuleStateCache(MODEL))[1],
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        yield
+    MODEL.reset_kv_cache()
+    torch.set_num_threads(threads)
+
+
+def filled(kind: str, n: int = 6):
+    """A cache of `kind` that already holds n positions of IDS (batch 2, float64)."""
+    cache = FACTORIES[kind]()
+    prefill(MODEL, IDS[:, :n], cache)  # in chunks of at most the window for the window caches
+    return cache
+
+
+def rejected(cache, call, exc: type[Exception], match: str) -> None:
+    """`call()` raises `exc` matching `match`, and `cache.state()` is exactly unchanged."""
+    before = cache.state()
+    with pytest.raises(exc, match=match):
+        call()
+    assert states_equal(before, cache.state()), "the rejected call changed the cache"
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_batch_size_change(kind):
+    cache = filled(kind)
+    rejected(cache, lambda: MODEL(IDS[:1, 6:7], cache), CacheError,
+             r"batch: expected the cache's batch size 2 \(reset it for a new batch\), got 1")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_dtype_mismatch(kind):
+    cache = filled(kind)
+    model32 = MODEL32
+    if kind == "naive":  # the naive state lives in the model: make a float32 copy of the same model and state
+        model32 = GPT(CFG).float().eval()
+        for b32, b64 in zip(model32.blocks, MODEL.blocks, strict=True):
+            b32.attn.cache_k, b32.attn.cache_v = b64.attn.cache_k, b64.attn.cache_v
+            b32.attn.ptr_current_pos = b64.attn.ptr_current_pos
+        model32.current_pos = MODEL.current_pos
+        cache = ModuleStateCache(model32)
+    rejected(cache, lambda: model32(IDS[:, 6:7], cache), CacheError,
+             r"dtype: expected the cache's dtype torch.float64, got torch.float32")
+
+
+@pytest.mark.parametrize("kind", [k for k in FACTORIES if k != "naive"])
+def test_device_mismatch(kind):
+    """A cache filled on another device (here PyTorch's shape-only "meta" device) rejects CPU activations."""
+    cache = FACTORIES[kind]()
+    for layer in range(2):
+        k = torch.zeros(2, 2, 3, 4, dtype=torch.float64, device="meta")
+        cache.append(layer, k, k)
+    cache.advance(3)
+    rejected(cache, lambda: MODEL(IDS[:, 3:4], cache), CacheError,
+             r"device: expected the cache's device meta, got cpu")
+
+
+def test_device_mismatch_naive():
+    MODEL.reset_kv_cache()
+    for block in MODEL.blocks:  # state left behind by a run on another device
+        block.attn.cache_k = block.attn.cache_v = torch.zeros(2, 2, 3, 4, dtype=torch.float64, device="meta")
+        block.attn.ptr_current_pos = 3
+    MODEL.current_pos = 3
+    cache = ModuleStateCache(MODEL)
+    rejected(cache, lambda: MODEL(IDS[:, 3:4], use_cache=True), CacheError,
+             r"device: expected the cache's device meta, got cpu")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_positions_past_the_table(kind):
+    cache = FACTORIES[kind]()
+    for start in (0, 7, 14):
+        MODEL(IDS[:, start : start + 7], cache)
+    assert cache.position == 21
+    rejected(cache, lambda: MODEL(IDS[:, :4], cache), ValueError,
+             r"positions: expected start \+ T <= context_length 24, got start 21 \+ T 4 = 25")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_empty_input(kind):
+    cache = filled(kind)
+    rejected(cache, lambda: MODEL(IDS[:, :0], cache), ValueError,
+             r"ids: expected at least one token in each of at least one row, got \(2, 0\)")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_wrong_rank_ids(kind):
+    cache = filled(kind)
+    rejected(cache, lambda: MODEL(IDS[0, 6:9], cache), ValueError, r"ids: expected rank 2 \[B, T\], got shape \(3,\)")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_wrong_rank_keys_and_values(kind):
+    cache = filled(kind)
+    k = torch.zeros(2, 2, 4, dtype=torch.float64)
+    rejected(cache, lambda: cache.append(0, k, k), CacheError,
+             r"k, v: expected two \[B, Hkv, T, D\] tensors of one shape, got \(\(2, 2, 4\), \(2, 2, 4\)\)")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_heads_or_head_dim_change(kind):
+    cache = filled(kind)
+    k = torch.zeros(2, 4, 1, 4, dtype=torch.float64)  # 4 KV heads where the cache holds 2
+    rejected(cache, lambda: cache.append(0, k, k), CacheError,
+             r"k, v: expected Hkv=2 heads of D=4, as cached, got \(2, 4, 1, 4\)")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_layer_out_of_range(kind):
+    cache = filled(kind)
+    k = torch.zeros(2, 2, 1, 4, dtype=torch.float64)
+    rejected(cache, lambda: cache.append(2, k, k), CacheError, r"layer: expected 0 <= layer < 2, got 2")
+
+
+@pytest.mark.parametrize("kind", [k for k in FACTORIES if k != "naive"])
+def test_cache_for_another_depth(kind):
+    deeper = {"concat": lambda: ConcatCache(3), "pairs": lambda: PairsCache(3), "window": lambda: WindowCache(3, W),
+              "ring": lambda: RingCache(3, W), "growable-linear": lambda: GrowableCache(3, 3),
+              "growable-double": lambda: GrowableCache(3, 3, policy="double")}[kind]()
+    rejected(deeper, lambda: MODEL(IDS[:, :4], deeper), CacheError,
+             r"cache: expected a cache for 2 layers, got one for 3")
+
+
+@pytest.mark.parametrize("kind", ["window", "ring"])
+def test_chunk_larger_than_the_window(kind):
+    cache = filled(kind, 3)
+    rejected(cache, lambda: MODEL(IDS[:, 3 : 3 + W + 1], cache), CacheError,
+             rf"t_new: expected a chunk of at most {W} tokens \(the window; prefill longer prompts in chunks\), "
+             rf"got {W + 1}")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: WindowCache(2, 0), r"capacity: expected a positive number of token slots, got 0"),
+    (lambda: RingCache(2, -3), r"capacity: expected a positive number of token slots, got -3"),
+    (lambda: GrowableCache(2, 0), r"capacity: expected a positive number of token slots, got 0"),
+    (lambda: PreallocatedCache(2, True), r"capacity: expected a positive number of token slots, got True"),
+    (lambda: WindowCache(2, 2.5), r"capacity: expected a positive number of token slots, got 2.5"),
+    (lambda: GrowableCache(2, 4, grow_by=0), r"grow_by: expected a positive number of slots, got 0"),
+    (lambda: GrowableCache(2, 4, policy="triple"), r"policy: expected 'linear' or 'double', got 'triple'"),
+    (lambda: ConcatCache(0), r"n_layers: expected a positive number of layers, got 0"),
+])
+def test_bad_construction(make, match):
+    with pytest.raises(CacheError, match=match):
+        make()
+
+
+# -- the naive cache: the model's own state must stay consistent ---------------------------------
+
+def test_naive_pointer_drift_is_rejected_before_anything_changes():
+    cache = filled("naive")
+    MODEL.blocks[1].attn.ptr_current_pos -= 1  # the per-layer pointer and the model counter drift apart
+    rejected(cache, lambda: MODEL(IDS[:, 6:7], use_cache=True), CacheError,
+             r"ptr_current_pos: expected every layer's pointer equal to the model's current_pos 6, got \[6, 5\]")
+
+
+def test_naive_counter_drift_is_rejected_before_anything_changes():
+    cache = filled("naive")
+    MODEL.current_pos += 1
+    for block in MODEL.blocks:
+        block.attn.ptr_current_pos += 1  # pointers and counter agree, but the stored keys do not
+    rejected(cache, lambda: MODEL(IDS[:, 6:7], use_cache=True), CacheError,
+             r"cache_k: expected every layer holding current_pos=7 keys, got \[6, 6\]")
+
+
+def test_naive_switch_rejects_an_explicit_cache_too():
+    cache = filled("naive")
+    rejected(cache, lambda: MODEL(IDS[:, 6:7], ConcatCache(2), use_cache=True), ValueError,
+             r"cache, return_cache: expected None and False when use_cache=True")
+    rejected(cache, lambda: MODEL(IDS[:, 6:7], None, return_cache=True, use_cache=True), ValueError,
+             r"cache, return_cache: expected None and False when use_cache=True")
+
+
+# -- the explicit-pass cache: the caller's list and tensors are never touched ---------------------
+
+def _pairs(n: int = 5):
+    return MODEL(IDS[:, :n], None, return_cache=True)[1]
+
+
+@pytest.mark.parametrize("mangle, match", [
+    (lambda p: p[:1], r"caches: expected a list of 2 \(K, V\) pairs, one per layer, got 1"),
+    (lambda p: [p[0], None], r"caches\[1\]: expected a \(K, V\) pair of tensors, got NoneType"),
+    (lambda p: [p[0], (p[1][0][0], p[1][1][0])], r"caches\[1\]: expected tensors of rank 4 \[B, Hkv, S, D\]"),
+    (lambda p: [p[0], (p[1][0], p[1][1][:, :, :4])], r"caches\[1\]: expected K and V of shape \(2, 2, 5, 4\)"),
+    (lambda p: [p[0], (p[1][0][:, :, :4], p[1][1][:, :, :4])], r"caches\[1\]: expected K and V of shape"),
+    (lambda p: {"k": p}, r"caches: expected None or a list of 2 \(K, V\) pairs, got dict"),
+])
+def test_explicit_pass_rejects_malformed_caches(mangle, match):
+    caches = _pairs()
+    bad = mangle(caches)
+    kept = snapshot(caches)
+    with pytest.raises(CacheError, match=match):
+        MODEL(IDS[:, 5:6], bad, return_cache=True)
+    assert states_equal(kept, caches)
+
+
+def test_explicit_pass_rejects_another_batch_and_keeps_the_callers_pairs():
+    caches = _pairs()
+    kept = snapshot(caches)
+    with pytest.raises(CacheError, match=r"batch: expected the cache's batch size 2 .*got 3"):
+        MODEL(IDS[:1, 5:6].repeat(3, 1), caches, return_cache=True)
+    with pytest.raises(ValueError, match=r"positions: expected start \+ T <= context_length 24, got start 5"):
+        MODEL(IDS[:, :20], caches, return_cache=True)
+    assert states_equal(kept, caches)
+
+
+def test_ring_ordered_needs_a_filled_layer():
+    ring = RingCache(2, 4)
+    with pytest.raises(CacheError, match=r"layer: expected a layer below 2 that holds keys, got 0"):
+        ring.ordered(0)
+
+
+# -- generation: everything is checked before the first chunk runs ---------------------------------
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_prefill_rejects_a_prompt_that_would_cross_the_table_midway(kind):
+    cache = filled(kind, 18)
+    rejected(cache, lambda: prefill(MODEL, IDS[:, :8], cache, chunk_size=2), ValueError,
+             r"positions: expected start \+ T <= context_length 24, got start 18 \+ T 8 = 26")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("size, match", [
+    (0, r"chunk_size: expected a positive integer or None, got 0"),
+    (2.0, r"chunk_size: expected a positive integer or None, got 2.0"),
+])
+def test_prefill_rejects_a_bad_chunk_size(kind, size, match):
+    cache = filled(kind)
+    rejected(cache, lambda: prefill(MODEL, IDS[:, 6:12], cache, chunk_size=size), ValueError, match)
+
+
+@pytest.mark.parametrize("kind", ["window", "ring"])
+def test_prefill_rejects_a_chunk_size_over_the_window(kind):
+    cache = filled(kind, 2)
+    rejected(cache, lambda: prefill(MODEL, IDS[:, 2:20], cache, chunk_size=W + 1), ValueError,
+             rf"chunk_size: expected at most the cache's max_chunk {W} \(its window\), got {W + 1}")
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("opts, match", [
+    ({"max_new_tokens": -1}, r"max_new_tokens: expected an integer >= 0, got -1"),
+    ({"temperature": -0.5}, r"temperature: expected >= 0, got -0.5"),
+    ({"temperature": float("nan")}, r"temperature: expected >= 0, got nan"),
+    ({"temperature": 1.0, "top_k": 0, "generator": torch.Generator()}, r"top_k: expected a positive integer"),
+    ({"temperature": 1.0, "top_p": 0.0, "generator": torch.Generator()}, r"top_p: expected 0 < top_p <= 1"),
+    ({"temperature": 1.0}, r"generator: sampling needs a torch.Generator \(no global seeding\), got None"),
+])
+def test_generate_rejects_bad_arguments_before_the_prefill(kind, opts, match):
+    cache = filled(kind)
+    opts = {"max_new_tokens": 3, **opts}
+    n = opts.pop("max_new_tokens")
+    rejected(cache, lambda: generate(MODEL, IDS[:, 6:9], n, cache, **opts), ValueError, match)
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_decode_step_needs_one_token_per_row(kind):
+    cache = filled(kind)
+    rejected(cache, lambda: decode_step(MODEL, IDS[:, 6:7], cache), ValueError,
+             r"token: expected a rank-1 tensor \[B\] of ids, got torch.Size\(\[2, 1\]\)")
+
+
+def test_mask_arguments():
+    with pytest.raises(ValueError, match=r"t_new: expected a positive number of new queries, got 0"):
+        causal_mask(0, 3)
+    with pytest.raises(ValueError, match=r"s_cached: expected a non-negative cached length, got -1"):
+        sliding_window_mask(2, -1, 4)
+    with pytest.raises(ValueError, match=r"window: expected a positive window, got 0"):
+        sliding_window_mask(2, 1, 0)
+    with pytest.raises(ValueError, match=r"query_pos, key_pos: expected two rank-1 tensors"):
+        positions_mask(torch.zeros(2, 1), torch.zeros(3))

@@ -1,0 +1,417 @@
+"""Engine cache policies (chapter 9): each equals the full forward, and rejects bad input untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from labcode import GPT, GPTConfig
+from labcode.caches import CacheError, ConcatCache
+from labcode.caches.base import states_equal
+from labcode.engines import (
+    BlockPool,
+    CellsCache,
+    PagedCache,
+    QuantizedCache,
+    ScatteredCache,
+    block_slots,
+    cells_mask,
+    dequantize,
+    fake_quantize,
+    find_slots,
+    hadamard,
+    quantize,
+    run_ragged,
+    scattered_mask,
+    with_key_outliers,
+)
+
+TOL = 1e-12  # float64 equivalence
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second thread only adds contention (and float sums can depend on it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+CFG = GPTConfig(vocab_size=32, context_length=48, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32)
+
+
+def make_model(rotary: bool = False, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CFG.with_(rotary=rotary)).double().eval()
+
+
+MODELS = {False: make_model(False), True: make_model(True)}
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def full_logits(model: GPT, seq: list[int]) -> torch.Tensor:
+    """The reference: the full forward without any cache, [len(seq), V]."""
+    return model(torch.tensor([seq]))[0]
+
+
+def run_chunks(model: GPT, cache, seq: list[int], sizes: list[int]) -> torch.Tensor:
+    """Feed `seq` into `cache` in chunks of the given sizes; logits [len(seq), V]."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(model(torch.tensor([seq[start : start + size]]), cache)[0])
+        start += size
+    return torch.cat(out)
+
+
+def split(n: int, cuts: list[int]) -> list[int]:
+    """Chunk sizes that cover n tokens, cut at the given (sorted, de-duplicated) points."""
+    points = [0] + sorted({c for c in cuts if 0 < c < n}) + [n]
+    return [b - a for a, b in zip(points, points[1:], strict=False)]
+
+
+# -- the model hook: explicit positions -----------------------------------------------------------
+
+def test_explicit_positions_are_checked_by_the_model():
+    model = MODELS[False]
+
+    class Placed:
+        position = 0
+
+        def __init__(self, positions):
+            self.positions = positions
+
+        def query_positions(self):
+            return self.positions
+
+    with pytest.raises(ValueError, match=r"positions: expected shape \(3,\) or \(1, 3\), got \(2,\)"):
+        model.run(torch.tensor([[1, 2, 3]]), Placed(torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match=r"positions: expected values in \[0, 48\), got min 46, max 48"):
+        model.run(torch.tensor([[1, 2, 3]]), Placed(torch.tensor([46, 47, 48])))
+
+
+# -- paged ----------------------------------------------------------------------------------------
+
+def test_block_slots_follow_the_table():
+    blocks, offsets = block_slots([7, 2, 5], start=3, t_new=4, block_size=3)
+    assert blocks.tolist() == [2, 2, 2, 5] and offsets.tolist() == [0, 1, 2, 0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompt=st.integers(1, 20), block=st.integers(1, 6), cuts=st.lists(st.integers(1, 19), max_size=4),
+       more_a=st.integers(1, 10), more_b=st.integers(1, 10), seed=st.integers(0, 1000))
+def test_paged_equals_full_forward_and_forks_share_then_copy(prompt, block, cuts, more_a, more_b, seed):
+    model = MODELS[False]
+    pool = BlockPool(CFG.n_layers, n_blocks=40, block_size=block)
+    base, a_tail, b_tail = tokens(prompt, seed), tokens(more_a, seed + 1), tokens(more_b, seed + 2)
+    a = PagedCache(pool)
+    got = run_chunks(model, a, base, split(prompt, cuts))
+    assert (got - full_logits(model, base)).abs().max().item() <= TOL
+    b = a.fork()
+    shared = len(a.table)
+    assert all(pool.refcount[x] == 2 for x in a.table)
+    got_a = run_chunks(model, a, a_tail, [more_a])
+    got_b = run_chunks(model, b, b_tail, split(more_b, [1]))
+    assert (got_a - full_logits(model, base + a_tail)[prompt:]).abs().max().item() <= TOL
+    assert (got_b - full_logits(model, base + b_tail)[prompt:]).abs().max().item() <= TOL
+    assert pool.copies == (1 if prompt % block else 0)  # only a half-filled shared block is copied, once
+    assert len(set(a.table[: prompt // block]) ^ set(b.table[: prompt // block])) == 0  # full blocks still shared
+    assert pool.n_free == 40 - len(set(a.table) | set(b.table))
+    assert shared == -(-prompt // block)
+    a.free()
+    b.free()
+    assert pool.n_free == 40 and all(r == 0 for r in pool.refcount)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 25), drop=st.integers(1, 10), block=st.integers(1, 5), more=st.integers(1, 8),
+       seed=st.integers(0, 1000))
+def test_paged_crop_equals_never_having_generated(n, drop, block, more, seed):
+    model, drop = MODELS[False], min(drop, n - 1)
+    seq, tail = tokens(n, seed), tokens(more, seed + 7)
+    pool = BlockPool(CFG.n_layers, n_blocks=30, block_size=block)
+    cache = PagedCache(pool)
+    run_chunks(model, cache, seq, [n])
+    cache.crop(drop)
+    assert cache.position == n - drop and len(cache.table) == -(-(n - drop) // block)
+    got = run_chunks(model, cache, tail, [more])
+    assert (got - full_logits(model, seq[: n - drop] + tail)[n - drop :]).abs().max().item() <= TOL
+
+
+def test_paged_rejects_bad_input_before_any_change():
+    model = MODELS[False]
+    pool = BlockPool(CFG.n_layers, n_blocks=3, block_size=4)
+    cache = PagedCache(pool)
+    run_chunks(model, cache, tokens(6, 0), [6])
+    before = cache.state()
+    with pytest.raises(CacheError, match=r"t_new: expected a chunk that fits the 1 free blocks, got 7 tokens"):
+        model(torch.tensor([tokens(7, 1)]), cache)
+    with pytest.raises(CacheError, match=r"batch: expected the cache's batch size 1.*got 2"):
+        model(torch.tensor([tokens(2, 1)] * 2), cache)
+    with pytest.raises(CacheError, match=r"dtype: expected the cache's dtype torch.float64, got torch.float32"):
+        make_model().float()(torch.tensor([tokens(1, 1)]), cache)
+    with pytest.raises(CacheError, match=r"n_drop: expected an int in \[0, 6\], got 7"):
+        cache.crop(7)
+    with pytest.raises(CacheError, match=r"block_size: expected a positive int, got 0"):
+        BlockPool(2, 3, 0)
+    assert states_equal(before, cache.state())
+    other = PagedCache(BlockPool(CFG.n_layers, 4, 4))
+    with pytest.raises(CacheError, match=r"batch: expected 1 \(one sequence per PagedCache"):
+        model(torch.tensor([tokens(2, 1)] * 2), other)
+    stranger = PagedCache(pool)  # the same pool, read by a model with other head shapes
+    wide = GPT(CFG.with_(n_kv_heads=4)).double().eval()
+    with pytest.raises(CacheError, match=r"k: expected \(Hkv, D, dtype, device\) = \(2, 8, torch.float64"):
+        wide(torch.tensor([tokens(2, 1)]), stranger)
+    assert states_equal(before, cache.state())
+
+
+# -- cells ----------------------------------------------------------------------------------------
+
+def test_slot_search_starts_after_the_last_written_cell_and_wraps():
+    pos = torch.tensor([-1, -1, 2, 3, 4, 5, -1, -1])
+    assert find_slots(pos, head=6, t_new=3).tolist() == [6, 7, 0]
+    assert find_slots(pos, head=0, t_new=3).tolist() == [0, 1, 6]
+    assert find_slots(pos, head=6, t_new=5) is None
+
+
+def test_cells_mask_reads_only_metadata():
+    pos = torch.tensor([0, 1, 0, 2, -1])
+    owners = torch.tensor([[1, 0], [1, 0], [0, 1], [1, 1], [0, 0]], dtype=torch.bool)
+    mask = cells_mask(pos, owners, torch.tensor([0, 1]), torch.tensor([1, 2]))
+    assert mask.tolist() == [[True, True, False, False, False], [False, False, True, True, False]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 14), min_size=1, max_size=3), n_cells=st.integers(42, 48),
+       steps=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=30),
+       seed=st.integers(0, 1000))
+def test_cells_hold_several_sequences_like_separate_caches(lengths, n_cells, steps, seed):
+    model = MODELS[False]
+    seqs = [tokens(n, seed + i) for i, n in enumerate(lengths)]
+    cache, done, got = CellsCache(CFG.n_layers, n_cells, n_seqs=3), [0] * len(seqs), [[] for _ in seqs]
+    schedule = list(steps) + [(s, 99) for s in range(len(seqs)) for _ in range(2)]  # then finish each one
+    for i in range(0, len(schedule), 2):  # two (sequence, count) requests share one ubatch
+        batch_seq, batch_ids = [], []
+        for s, n in schedule[i : i + 2]:
+            s %= len(seqs)
+            if s in batch_seq:
+                continue
+            take = seqs[s][done[s] : done[s] + n]
+            batch_seq += [s] * len(take)
+            batch_ids += take
+        if not batch_ids:
+            continue
+        cache.plan(batch_seq)
+        logits = model(torch.tensor([batch_ids]), cache)[0]
+        for s in set(batch_seq):
+            rows = [j for j, x in enumerate(batch_seq) if x == s]
+            got[s].append(logits[rows])
+            done[s] += len(rows)
+    for s, seq in enumerate(seqs):
+        assert (torch.cat(got[s]) - full_logits(model, seq)).abs().max().item() <= TOL
+    assert cache.length() == sum(lengths)
+
+
+def test_cells_remove_fork_and_reuse():
+    model = MODELS[False]
+    cache = CellsCache(CFG.n_layers, 24, n_seqs=3)
+    a, b, c = tokens(10, 1), tokens(6, 2), tokens(9, 3)
+    cache.plan([0] * 10 + [1] * 6)
+    model(torch.tensor([a + b]), cache)
+    cache.seq_rm(1)  # sequence 1 is done: its 6 cells become empty
+    assert cache.length() == 10 and cache.head == 16
+    cache.seq_cp(0, 2, 0, 7)  # sequence 2 shares the first 7 positions of sequence 0, no copy
+    assert int(cache.owners[:, 2].sum()) == 7
+    cache.plan([2] * 9, list(range(7, 16)))  # and continues with its own tokens from position 7
+    assert cache.find_slots(9).tolist() == [16, 17, 18, 19, 20, 21, 22, 23, 10]  # after head, then wrap
+    logits = model(torch.tensor([c]), cache)[0]
+    assert (logits - full_logits(model, a[:7] + c)[7:]).abs().max().item() <= TOL
+    assert sorted(cache.pos[cache.owners[:, 2]].tolist()) == list(range(16))
+    cache.seq_rm(0, 5)  # crop sequence 0 back to 5 positions and continue differently
+    cache.plan([0, 0])
+    logits = model(torch.tensor([[3, 4]]), cache)[0]
+    assert (logits - full_logits(model, a[:5] + [3, 4])[5:]).abs().max().item() <= TOL
+
+
+def rejects(cache, call, exc, pattern) -> None:
+    """`call()` raises `exc` matching `pattern`, and `cache.state()` is exactly as before."""
+    before = cache.state()
+    with pytest.raises(exc, match=pattern):
+        call()
+    assert states_equal(before, cache.state())
+
+
+def test_cells_reject_bad_input_before_any_change():
+    model = MODELS[False]
+    cache = CellsCache(CFG.n_layers, 8, n_seqs=2)
+    cache.plan([0] * 6)
+    model(torch.tensor([tokens(6, 0)]), cache)
+    rejects(cache, lambda: cache.plan([0, 2]), CacheError,
+            r"seq_ids: expected a non-empty list of ints in \[0, 2\), got \[0, 2\]")
+    rejects(cache, lambda: cache.plan([0], [5]), CacheError,
+            r"positions: expected for sequence 0, increasing positions after its last one \(5\), got \[5\]")
+    rejects(cache, lambda: model(torch.tensor([[1]]), cache), CacheError,
+            r"plan: expected plan\(seq_ids\) before each forward pass")
+    cache.plan([1, 1, 1])
+    rejects(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
+            r"t_new: expected at most 2 tokens \(free cells\), got 3")
+    cache.plan([1, 1])
+    rejects(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), ValueError,
+            r"positions: expected shape \(3,\) or \(1, 3\), got \(2,\)")  # the model compares plan and ids first
+    rejects(cache, lambda: cache.check(1, 3, torch.float64, torch.device("cpu")), CacheError,
+            r"plan: expected a plan for the 3 tokens of this pass, got 2")
+    rejects(cache, lambda: cache.seq_cp(1, 0), CacheError, r"dst: expected a sequence that holds no cells, got 0")
+    rejects(cache, lambda: cache.seq_rm(5), CacheError, r"seq: expected an int in \[0, 2\), got 5")
+    rejects(cache, lambda: cache.seq_rm(0, 4, 2), CacheError, r"p1: expected an int >= p0 = 4, got 2")
+    cache.plan([0], [60])
+    rejects(cache, lambda: model(torch.tensor([[1]]), cache), ValueError,
+            r"positions: expected values in \[0, 48\), got min 60, max 60")
+
+
+# -- unequal lengths in one batch ------------------------------------------------------------------
+
+def test_scattered_mask_hides_other_rows_padding():
+    mask = scattered_mask([2, 0], 2)[:, 0, 0]  # (B, T, S)
+    assert mask.tolist() == [[[True, True, True, False], [True, True, True, True]],
+                             [[True, False, False, False], [True, True, False, False]]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(rotary=st.booleans(), rows=st.integers(1, 3), seed=st.integers(0, 1000),
+       schedule=st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=3), min_size=1, max_size=8),
+       crops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3)), max_size=3))
+def test_scattered_batch_equals_each_sequence_alone(rotary, rows, seed, schedule, crops):
+    model = MODELS[rotary]
+    cache = ScatteredCache(CFG.n_layers, rows, capacity=CFG.context_length)
+    seqs, got = [[] for _ in range(rows)], [[] for _ in range(rows)]
+    for step, counts in enumerate(schedule):
+        chunks = [tokens(counts[r], seed + 10 * step + r) for r in range(rows)]
+        if max(cache.lengths) + max(1, max(len(c) for c in chunks)) > CFG.context_length:
+            break
+        out = run_ragged(model, cache, chunks)
+        for r in range(rows):
+            seqs[r] += chunks[r]
+            got[r].append(out[r])
+        if step < len(crops):  # a rejected draft: roll one row back and forget its logits
+            r, n = crops[step][0] % rows, min(crops[step][1], len(seqs[crops[step][0] % rows]))
+            cache.crop(r, n)
+            if n:
+                seqs[r] = seqs[r][:-n]
+                kept = torch.cat(got[r])[: len(seqs[r])]
+                got[r] = [kept]
+    for r in range(rows):
+        assert cache.lengths[r] == len(seqs[r])
+        if seqs[r]:
+            assert (torch.cat(got[r]) - full_logits(model, seqs[r])).abs().max().item() <= TOL
+
+
+def test_scattered_rejects_bad_input_before_any_change():
+    model = MODELS[False]
+    cache = ScatteredCache(CFG.n_layers, 2, capacity=10)
+    run_ragged(model, cache, [tokens(4, 0), tokens(2, 1)])
+    rejects(cache, lambda: cache.plan([1]), CacheError, r"n_new: expected 2 ints >= 0, one per row, got \[1\]")
+    rejects(cache, lambda: cache.plan([3, 1], 2), CacheError, r"t_new: expected an int >= max\(1, 3\), got 2")
+    rejects(cache, lambda: model(torch.tensor([[1], [2]]), cache), CacheError,
+            r"plan: expected plan\(n_new\) before each forward pass")
+    rejects(cache, lambda: run_ragged(model, cache, [tokens(7, 2), []]), CacheError,
+            r"t_new: expected a chunk that fits the 6 free slots of the longest row, got 7")
+    rejects(cache, lambda: run_ragged(model, cache, [[CFG.vocab_size], []]), ValueError,
+            r"ids: expected values in \[0, 32\)")
+    rejects(cache, lambda: cache.crop(1, 3), CacheError, r"n_drop: expected an int in \[0, 2\], got 3")
+    cache.plan([1, 1])
+    rejects(cache, lambda: model(torch.tensor([[1], [2], [3]]), cache), ValueError,
+            r"positions: expected shape \(1,\) or \(3, 1\), got \(2, 1\)")
+
+
+# -- quantised K/V ---------------------------------------------------------------------------------
+
+def test_hadamard_is_orthonormal_and_symmetric():
+    for n in (1, 2, 16, 64):
+        h = hadamard(n)
+        assert torch.allclose(h @ h.T, torch.eye(n, dtype=torch.float64), atol=1e-14)
+        assert torch.equal(h, h.T)
+    with pytest.raises(CacheError, match="n: expected a power of two, got 12"):
+        hadamard(12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.integers(2, 8), group=st.sampled_from([None, 2, 4, 8]), seed=st.integers(0, 1000),
+       scale=st.floats(1e-3, 1e3))
+def test_quantize_rounds_to_within_half_a_step(bits, group, seed, scale):
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    codes, scales = quantize(x, bits, group)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 2 ** (bits - 1) - 1
+    assert scales.shape == (3, 5, 8 // (group or 8))
+    err = (dequantize(codes, scales, torch.float64) - x).abs()
+    step = scales.repeat_interleave(group or 8, dim=-1).double()
+    assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all()
+
+
+def test_rotation_shrinks_the_error_of_an_outlier_channel():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    k[:, 3] *= 30.0  # one outlier channel sets every token's scale
+    plain = (fake_quantize(k, 8) - k).abs().max().item()
+    rotated = (fake_quantize(k, 8, rotate=True) - k).abs().max().item()
+    assert rotated < plain / 2
+
+
+def test_quantized_cache_keeps_logits_close_and_stores_fewer_bytes():
+    model = MODELS[False]
+    seq = tokens(30, 4)
+    ref = full_logits(model, seq)
+    plain, concat = QuantizedCache(CFG.n_layers, bits=8), ConcatCache(CFG.n_layers)
+    got = run_chunks(model, plain, seq, [10] + [1] * 20)
+    run_chunks(model, concat, seq, [30])
+    err = (got - ref).abs().max().item()
+    assert 0 < err <= 0.02 * ref.abs().max().item()  # not exact, but close
+    d = CFG.head_dim  # per token and head: D one-byte codes and one 4-byte scale, for K and V
+    assert plain.nbytes == CFG.n_layers * 2 * CFG.n_kv_heads * 30 * (d + 4)
+    assert plain.nbytes < concat.nbytes / 4
+
+
+def test_key_outliers_leave_logits_unchanged_and_rotation_helps():
+    model = MODELS[False]
+    seq = tokens(30, 5)
+    ref = full_logits(model, seq)
+    skewed = with_key_outliers(model, 50.0, channel=2)
+    assert (full_logits(skewed, seq) - ref).abs().max().item() <= 1e-10
+    exact = ConcatCache(CFG.n_layers)
+    run_chunks(skewed, exact, seq, [30])
+    k, v = exact.k[1], exact.v[1]  # (1, Hkv, 30, D): the second layer's keys, with the outlier channel
+    assert k[..., 2].abs().mean() > 10 * k[..., 3].abs().mean()
+    errs = {}
+    for rotate in (False, True):
+        cache = QuantizedCache(CFG.n_layers, bits=8, rotate=rotate)
+        cache.append(0, k, v)
+        k_back, _ = cache.append(1, k, v)  # what attention reads from the cache
+        errs[rotate] = (k_back - k).abs().max().item()
+    assert errs[True] < errs[False] / 2
+
+
+def test_quantized_cache_rejects_bad_input_before_any_change():
+    model = MODELS[False]
+    with pytest.raises(CacheError, match=r"bits: expected an int in \[2, 8\], got 9"):
+        QuantizedCache(2, bits=9)
+    with pytest.raises(CacheError, match=r"group_size: expected None or a positive int, got 0"):
+        QuantizedCache(2, group_size=0)
+    cache = QuantizedCache(CFG.n_layers, group_size=3)
+    before = cache.state()
+    with pytest.raises(CacheError, match=r"group_size: expected None or a positive divisor of D=8, got 3"):
+        model(torch.tensor([[1, 2]]), cache)
+    assert states_equal(before, cache.state())
+    odd = GPT(CFG.with_(d_model=24, n_heads=4, n_kv_heads=2)).double().eval()
+    cache = QuantizedCache(CFG.n_layers, rotate=True)
+    run_chunks(model, cache, tokens(3, 0), [3])  # D = 8 first, then a model with D = 6
+    before = cache.state()
+    with pytest.raises(CacheError, match=r"k: expected a head dim that is a power of two \(for the rotation\), got 6"):
+        odd(torch.tensor([[1, 2]]), cache)
+    assert states_equal(before, cache.state())
+    with pytest.raises(CacheError, match=r"dtype: expected the cache's dtype torch.float64, got torch.float32"):
+        make_model().float()(torch.tensor([[1]]), cache)
+    assert states_equal(before, cache.state())
+    with pytest.raises(CacheError, match=r"factor: expected a non-zero number, got 0"):
+        with_key_outliers(model, 0)

@@ -1,0 +1,140 @@
+"""The generation loops: prefill, decode step and generate agree with the no-cache reference,
+stop at the position table, keep the prompt, and prefill prompts longer than a window in chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labcode import GPT, GPTConfig
+from labcode.caches import ConcatCache, GrowableCache, ModuleStateCache, PairsCache, RingCache, WindowCache
+from labcode.checkpoint import load_checkpoint
+from labcode.generate import chunk_length, decode_step, generate, generate_nocache, new_token_budget, prefill
+from labcode.tokenizer import CharTokenizer
+
+TOL64 = 1e-12
+CFG = GPTConfig(vocab_size=13, context_length=10, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
+torch.manual_seed(0)
+MODEL = GPT(CFG).double().eval()
+with torch.no_grad():
+    for p in MODEL.parameters():
+        p.normal_(0.0, 0.5)
+PROMPT = torch.randint(0, CFG.vocab_size, (3, 6), generator=torch.Generator().manual_seed(2))
+
+FACTORIES = {
+    "concat": lambda m: ConcatCache(m.cfg.n_layers),
+    "pairs": lambda m: PairsCache(m.cfg.n_layers),
+    "naive": lambda m: (m.reset_kv_cache(), ModuleStateCache(m))[1],
+    "window": lambda m: WindowCache(m.cfg.n_layers, m.cfg.context_length),
+    "ring": lambda m: RingCache(m.cfg.n_layers, m.cfg.context_length),
+    "growable-linear": lambda m: GrowableCache(m.cfg.n_layers, 4),
+    "growable-double": lambda m: GrowableCache(m.cfg.n_layers, 2, policy="double"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_budget_is_the_room_left_in_the_position_table():
+    assert new_token_budget(6, 20, 10) == (4, "context_length")
+    assert new_token_budget(6, 4, 10) == (4, "max_new_tokens")
+    assert new_token_budget(10, 1, 10) == (0, "context_length")
+    assert new_token_budget(3, 0, 10) == (0, "max_new_tokens")
+
+
+@pytest.mark.parametrize("kind", [*FACTORIES, "nocache"])
+def test_prompt_6_capacity_10_asked_20_generates_4_and_keeps_the_prompt(kind):
+    if kind == "nocache":
+        out = generate_nocache(MODEL, PROMPT, 20)
+    else:
+        out = generate(MODEL, PROMPT, 20, FACTORIES[kind](MODEL))
+    assert out.new_tokens == 4 and out.stop_reason == "context_length"
+    assert out.ids.shape == (3, 10) and torch.equal(out.ids[:, :6], PROMPT)
+    assert len(out.step_logits) == 4
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_greedy_batch_of_three_matches_the_reference(kind):
+    ref = generate_nocache(MODEL, PROMPT[:, :3], 7)
+    out = generate(MODEL, PROMPT[:, :3], 7, FACTORIES[kind](MODEL), chunk_size=2)
+    assert torch.equal(out.ids, ref.ids) and out.stop_reason == ref.stop_reason == "max_new_tokens"
+    assert max((a - r).abs().max().item() for a, r in zip(out.step_logits, ref.step_logits, strict=True)) <= TOL64
+    assert out.positions_computed == [3] + [1] * 6  # prefill, then one position per step
+    assert ref.positions_computed == [3, 4, 5, 6, 7, 8, 9]  # the reference recomputes everything
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_seeded_sampling_matches_the_reference(kind):
+    opts = {"temperature": 1.3, "top_k": 9, "top_p": 0.9}
+    ref = generate_nocache(MODEL, PROMPT, 4, generator=torch.Generator().manual_seed(7), **opts)
+    out = generate(MODEL, PROMPT, 4, FACTORIES[kind](MODEL), generator=torch.Generator().manual_seed(7), **opts)
+    other = generate(MODEL, PROMPT, 4, FACTORIES[kind](MODEL), generator=torch.Generator().manual_seed(8), **opts)
+    assert torch.equal(out.ids, ref.ids)
+    assert not torch.equal(other.ids, ref.ids)  # the generator, and only it, decides the samples
+
+
+def test_generation_continues_a_filled_cache_within_the_table():
+    cache = ConcatCache(2)
+    prefill(MODEL, PROMPT[:, :4], cache)
+    out = generate(MODEL, PROMPT[:, 4:6], 20, cache)  # 4 cached + 2 new prompt positions: room for 4
+    assert out.new_tokens == 4 and out.stop_reason == "context_length"
+    ref = generate_nocache(MODEL, PROMPT, 4)
+    assert torch.equal(out.ids[:, 2:], ref.ids[:, 6:])
+
+
+def test_zero_new_tokens_runs_nothing():
+    cache = ConcatCache(2)
+    out = generate(MODEL, PROMPT, 0, cache)
+    assert out.new_tokens == 0 and out.ids is PROMPT and cache.position == 0 and out.positions_computed == []
+    full = generate(MODEL, torch.zeros(1, 10, dtype=torch.long), 5, ConcatCache(2))
+    assert (full.new_tokens, full.stop_reason) == (0, "context_length")
+
+
+def test_prefill_chunks_default_to_the_window_and_never_exceed_it():
+    assert chunk_length(ConcatCache(2), 9, None) == 9
+    assert chunk_length(WindowCache(2, 4), 9, None) == 4
+    assert chunk_length(WindowCache(2, 4), 3, None) == 3
+    assert chunk_length(ConcatCache(2), 9, 5) == 5
+
+
+def test_prefill_of_a_prompt_longer_than_the_window():
+    window, ring = WindowCache(2, 3), RingCache(2, 3)
+    a = prefill(MODEL, PROMPT, window)  # 6 positions through a window of 3: chunks of 3, 3
+    b = prefill(MODEL, PROMPT, ring)
+    assert window.position == ring.position == 6 and window.total_dropped == ring.total_dropped == 3
+    assert (a - b).abs().max().item() <= TOL64  # two storage layouts, one meaning
+    first = MODEL(PROMPT[:, :3])[:, -1]
+    assert (prefill(MODEL, PROMPT[:, :3], WindowCache(2, 3)) - first).abs().max().item() <= TOL64  # exact, no drop
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, 4, 5])
+def test_prefill_in_chunks_equals_the_full_forward(chunk):
+    for kind, make in FACTORIES.items():
+        last = prefill(MODEL, PROMPT, make(MODEL), chunk_size=chunk)
+        assert (last - MODEL(PROMPT)[:, -1]).abs().max().item() <= TOL64, kind
+
+
+def test_decode_step_returns_next_logits():
+    cache = ConcatCache(2)
+    prefill(MODEL, PROMPT, cache)
+    nxt = decode_step(MODEL, PROMPT[:, 0], cache)
+    assert nxt.shape == (3, CFG.vocab_size)
+    ref = MODEL(torch.cat((PROMPT, PROMPT[:, :1]), 1))[:, -1]
+    assert (nxt - ref).abs().max().item() <= TOL64
+
+
+def test_trained_model_prints_the_same_text_with_and_without_cache():
+    model = load_checkpoint(device="cpu")
+    tok = CharTokenizer()
+    prompt = tok.encode_tensor("The little fox")
+    ref = generate_nocache(model, prompt, 30)
+    for kind, make in FACTORIES.items():
+        out = generate(model, prompt, 30, make(model))
+        assert tok.decode(out.ids[0]) == tok.decode(ref.ids[0]), kind
+        diff = max((a - r).abs().max().item() for a, r in zip(out.step_logits, ref.step_logits, strict=True))
+        assert diff <= 1e-5, (kind, diff)  # float32

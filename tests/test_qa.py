@@ -1,0 +1,197 @@
+"""QA results that CI regenerates: every committed `qa/results/*.json` is reproduced from scratch.
+
+Each result file names the QA notebook that wrote it (`name`: `qa/<name>.ipynb`) and records every
+parameter it ran with except `output_path`. For each committed file this test runs that notebook
+with papermill (kernel python3, working directory the repository root, executed copy under
+`qa/_runs/test/`), with the recorded parameters and `output_path` pointing into a temporary folder,
+so the committed results are never overwritten. A QA run that fails a check exits non-zero and
+fails the test. The regenerated file must then match the committed one:
+
+- the same checks in the same order, with the same claims, comparisons and tolerances, and
+  identical verdicts;
+- every check value and every recorded value within the stated tolerances: integers, booleans and
+  strings exactly; floats with relative tolerance `REL_TOL`, or absolute tolerance the document's
+  rounding tolerance (the smallest tolerance of its `<=` checks: two values that the document
+  itself would call equal to rounding are not told apart);
+- timings (value keys named like `*_seconds`, `*_s`, `timing*`) are never compared.
+
+`scripts/regenerate_results.sh` writes the committed files; it explains the whole arrangement.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from labcode.results import resolve_output, schema_errors
+
+ROOT = Path(__file__).resolve().parent.parent
+QA = ROOT / "qa"
+COMMITTED = sorted((QA / "results").glob("*.json"))
+QA_NOTEBOOKS = sorted(p for p in QA.glob("*.ipynb") if p.stem != "verdicts")
+REL_TOL = 1e-6
+TIMING = re.compile(r"(_seconds|_s|^timing.*)$")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def parameters_cell(notebook: Path) -> dict:
+    """The first code cell: its tags, and the names it assigns mapped to their default expressions."""
+    nb = load(notebook)
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    tree = ast.parse("".join(cell["source"]))
+    names = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+             for t in node.targets if isinstance(t, ast.Name)}
+    return {"tags": cell.get("metadata", {}).get("tags", []), "names": names}
+
+
+# -- comparing a regenerated document with the committed one -------------------------------------
+
+def rounding_tolerance(doc: dict) -> float:
+    """The smallest tolerance of the document's `<=` checks on numbers (0 if it has none)."""
+    tols = [c["tolerance"] for c in doc["checks"] if c["comparison"] in ("<=", "<")
+            and isinstance(c["tolerance"], (int, float)) and not isinstance(c["tolerance"], bool)]
+    return min(tols, default=0.0)
+
+
+def differences(new, old, path: str, abs_tol: float) -> list[str]:
+    """Where `new` and `old` (JSON values) differ beyond the tolerances; [] when they agree."""
+    if isinstance(old, bool) or isinstance(new, bool) or isinstance(old, str) or old is None:
+        return [] if new == old and type(new) is type(old) else [f"{path}: {new!r} != committed {old!r}"]
+    if isinstance(old, int) and isinstance(new, int):
+        return [] if new == old else [f"{path}: {new} != committed {old}"]
+    if isinstance(old, (int, float)) and isinstance(new, (int, float)):
+        ok = math.isclose(new, old, rel_tol=REL_TOL, abs_tol=abs_tol)
+        return [] if ok else [f"{path}: {new!r} differs from committed {old!r} (rel {REL_TOL:g}, abs {abs_tol:g})"]
+    if isinstance(old, list) and isinstance(new, list):
+        if len(new) != len(old):
+            return [f"{path}: length {len(new)} != committed {len(old)}"]
+        return [d for i, (a, b) in enumerate(zip(new, old)) for d in differences(a, b, f"{path}[{i}]", abs_tol)]
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys, new_keys = [k for k in old if not TIMING.search(k)], {k for k in new if not TIMING.search(k)}
+        if set(keys) != new_keys:
+            return [f"{path}: keys {sorted(set(keys) ^ new_keys)} added or missing"]
+        return [d for k in keys for d in differences(new[k], old[k], f"{path}.{k}", abs_tol)]
+    return [f"{path}: type {type(new).__name__} != committed {type(old).__name__}"]
+
+
+def compare(new: dict, old: dict) -> list[str]:
+    """Every difference between a regenerated result and the committed one that this test rejects."""
+    found = []
+    for key in ("schema_version", "name", "parameters"):
+        if new[key] != old[key]:
+            found.append(f"{key}: {new[key]!r} != committed {old[key]!r}")
+    names_new, names_old = [c["name"] for c in new["checks"]], [c["name"] for c in old["checks"]]
+    if names_new != names_old:
+        return found + [f"checks: {names_new} != committed {names_old}"]
+    abs_tol = rounding_tolerance(old)
+    for a, b in zip(new["checks"], old["checks"]):
+        for key in ("claim", "comparison", "tolerance", "passed"):
+            if a[key] != b[key]:
+                found.append(f"check {b['name']}: {key} {a[key]!r} != committed {b[key]!r}")
+        tol = b["tolerance"] if b["comparison"] in ("<=", "<") and isinstance(b["tolerance"], float) else abs_tol
+        found += differences(a["value"], b["value"], f"check {b['name']}: value", tol)
+    found += differences(new["values"], old["values"], "values", abs_tol)
+    if new["passed"] != old["passed"]:
+        found.append(f"passed: {new['passed']} != committed {old['passed']}")
+    return found
+
+
+# -- the committed files and the notebooks that write them ----------------------------------------
+
+def test_every_qa_notebook_has_a_committed_result_and_back():
+    assert QA_NOTEBOOKS, "no QA notebooks in qa/"
+    written = {load(p)["name"] for p in COMMITTED}
+    assert {p.stem for p in QA_NOTEBOOKS} - written == set(), "QA notebooks without a committed result"
+    assert written - {p.stem for p in QA_NOTEBOOKS} == set(), "committed results whose notebook is missing"
+
+
+@pytest.mark.parametrize("notebook", QA_NOTEBOOKS, ids=lambda p: p.stem)
+def test_parameters_cell_matches_what_results_record(notebook):
+    cell = parameters_cell(notebook)
+    assert "parameters" in cell["tags"], f"{notebook.name}: the first code cell must be tagged 'parameters'"
+    default = cell["names"].get("output_path")
+    assert default is not None and ast.literal_eval(default) == "", f"{notebook.name}: output_path must default to ''"
+    for path in COMMITTED:
+        doc = load(path)
+        if doc["name"] == notebook.stem:
+            assert set(doc["parameters"]) == set(cell["names"]) - {"output_path"}, (
+                f"{path.name} records parameters {sorted(doc['parameters'])}, the notebook has {sorted(cell['names'])}")
+
+
+def test_default_output_never_touches_committed_results():
+    default = resolve_output("", "probes").relative_to(ROOT)
+    assert default.parts[:2] == ("qa", "_runs"), default
+    assert "qa/_runs/" in (ROOT / ".gitignore").read_text().split(), "qa/_runs/ must be git-ignored"
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_committed_result_passed(path):
+    doc = load(path)
+    failed = [c["name"] for c in doc["checks"] if not c["passed"]]
+    assert doc["checks"] and not failed and doc["passed"], f"{path.name}: failed checks {failed}"
+
+
+# -- regeneration ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_regenerated_result_matches_committed(path, tmp_path):
+    import papermill
+
+    old = load(path)
+    notebook = QA / f"{old['name']}.ipynb"
+    out = tmp_path / path.name
+    executed = QA / "_runs" / "test" / f"{path.stem}.ipynb"
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        papermill.execute_notebook(str(notebook), str(executed), parameters={**old["parameters"],
+                                   "output_path": str(out)}, kernel_name="python3", cwd=str(ROOT),
+                                   progress_bar=False, log_output=False)
+    except papermill.PapermillExecutionError as e:
+        failed = [c["name"] for c in load(out)["checks"] if not c["passed"]] if out.exists() else "no result"
+        pytest.fail(f"QA run {notebook.name} for {path.name} failed: {e.ename}: {e.evalue}\nfailed checks: {failed}")
+    new = load(out)
+    assert schema_errors(new) == [], f"regenerated {path.name} breaks the schema"
+    found = compare(new, old)
+    assert not found, f"regenerated {path.name} differs from the committed file:\n" + "\n".join(found)
+
+
+# -- the comparison itself can fail ----------------------------------------------------------------
+
+def _doc(value=4.4e-16, passed=True, big=2.9, tokens=17) -> dict:
+    return {"schema_version": 1, "name": "x", "parameters": {"dtype": "float64"}, "passed": passed,
+            "values": {"diff": value, "counter": [big, 0.5], "window": tokens, "wall_seconds": 3.0},
+            "checks": [{"name": "eq", "claim": "equal", "value": value, "tolerance": 1e-12, "comparison": "<=",
+                        "passed": passed},
+                       {"name": "far", "claim": "different", "value": big, "tolerance": 1e-3, "comparison": ">",
+                        "passed": True}]}
+
+
+def test_comparison_accepts_rounding_and_timings():
+    new = _doc(value=6.7e-16)
+    new["values"]["wall_seconds"] = 99.0
+    assert compare(new, _doc()) == []
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda d: d["checks"][0].update(passed=False), "passed"),
+    (lambda d: d["checks"][1].update(value=3.1), "far"),
+    (lambda d: d["checks"][0].update(tolerance=1e-6), "tolerance"),
+    (lambda d: d["checks"].pop(), "checks"),
+    (lambda d: d["values"].update(window=16), "values.window"),
+    (lambda d: d["values"]["counter"].__setitem__(0, 2.91), "values.counter[0]"),
+    (lambda d: d["values"].update(diff=1e-10), "values.diff"),
+    (lambda d: d["parameters"].update(dtype="float32"), "parameters"),
+])
+def test_comparison_rejects_real_differences(change, expected):
+    new = _doc()
+    change(new)
+    found = compare(new, _doc())
+    assert any(expected in f for f in found), found

@@ -1,0 +1,60 @@
+"""Repository-level promises: pins, the two commands, a quiet import, lint."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in readme and "bash scripts/build.sh" in readme
+    commands = [line for line in ci.splitlines() if line.strip() and not line.startswith("#")]
+    assert commands[-1].strip() == "exec bash scripts/test.sh", commands
+
+
+def test_pins_keep_torch_and_jupyter_book_in_range():
+    req = (ROOT / "requirements.txt").read_text().splitlines()
+    assert "torch==2.13.0" in req
+    assert any(line.startswith("jupyter-book>=1.0.4.post1,<2") for line in req)
+    lock = (ROOT / "requirements.lock").read_text().splitlines()
+    assert "torch==2.13.0" in lock, "the lock must pin torch without a local version suffix"
+    assert not [line for line in lock if line.lower().startswith("nvidia")], "a CUDA build crept into the lock"
+    pinned = [line for line in lock if line and not line.startswith("#")]
+    assert all("==" in line for line in pinned), [line for line in pinned if "==" not in line]
+
+
+def test_importing_labcode_has_no_side_effects():
+    code = (
+        "import torch; torch.manual_seed(123); t = torch.get_num_threads(); a = torch.rand(3);"
+        "torch.manual_seed(123); import labcode, labcode.caches, labcode.generate, labcode.checkpoint;"
+        "assert torch.get_num_threads() == t; assert torch.equal(torch.rand(3), a)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "", f"importing labcode printed {out.stdout!r}"
+
+
+def test_ruff_is_clean():
+    ruff = Path(sys.executable).with_name("ruff")
+    out = subprocess.run([str(ruff), "check", "labcode", "tests"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_no_machine_paths_in_tracked_files():
+    files = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT).stdout.split()
+    pattern = re.compile(r"/work/|/root/|/home/\w+")
+    offenders = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix in {".pt", ".png", ".ico", ".json"} or not path.is_file():
+            continue
+        text = path.read_text(errors="ignore")
+        if pattern.search(text):
+            offenders.append(name)
+    assert offenders == [], offenders
