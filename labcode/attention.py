@@ -142,8 +142,13 @@ def measure_memory(fn: Callable, *args, **kwargs) -> dict:
     return {"largest": tracker.largest, "peak": tracker.peak}
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each zero-argument function, timed in turns so that noise hits all alike."""
+def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int = 20,
+                        warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each zero-argument function, `repeats` rounds of one call each, after `warmup` rounds.
+
+    The functions take turns within every round, so a busy moment on the machine hits all of them alike,
+    and sample i of every function comes from the same round (ratios per round are fair).
+    """
     if repeats <= 0 or warmup < 0:
         raise ValueError(f"repeats, warmup: expected > 0 and >= 0, got {repeats}, {warmup}")
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -153,4 +158,15 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 20, wa
             fn()
             if rep >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return times
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per call of each zero-argument function, timed in turns (see `interleaved_samples`)."""
+    return {name: median(ts) for name, ts in interleaved_samples(fns, repeats, warmup).items()}

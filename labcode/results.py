@@ -93,14 +93,23 @@ class QAResult:
         """Record whether `value <comparison> tolerance` holds, with the claim it supports."""
         if comparison not in COMPARISONS:
             raise ValueError(f"comparison: expected one of {sorted(COMPARISONS)}, got {comparison!r}")
-        value, tolerance = _plain(value), _plain(tolerance)
+        if isinstance(value, torch.Tensor):
+            value = value.item() if value.numel() == 1 else value.tolist()
+        # The verdict is taken on the numbers themselves (inf or NaN fail a "<=" check), then they
+        # are stored in their JSON-friendly form.
         passed = bool(COMPARISONS[comparison](value, tolerance))
+        value, tolerance = _plain(value), _plain(tolerance)
         self.doc["checks"].append(
             {"name": name, "claim": claim, "value": value, "tolerance": tolerance,
              "comparison": comparison, "passed": passed}
         )
         self.doc["passed"] = all(c["passed"] for c in self.doc["checks"])
         return passed
+
+    def report(self) -> str:
+        """One line per check: verdict, name, measured value, comparison and tolerance (values to 2 digits)."""
+        return "\n".join(f"{'pass' if c['passed'] else 'FAIL'}  {c['name']}: {fmt(c['value'])} {c['comparison']} "
+                         f"{fmt(c['tolerance'])}" for c in self.doc["checks"])
 
     def write(self, path: str | Path) -> Path:
         """Write atomically, then raise AssertionError if any check failed (a failed QA run exits non-zero)."""

@@ -41,9 +41,15 @@ run_qa qa/equivalence.ipynb equivalence_float64.json -p dtype float64
 run_qa qa/equivalence.ipynb equivalence_float32.json -p dtype float32
 run_qa qa/probes.ipynb probes.json
 run_qa qa/rotary_kshift.ipynb rotary_kshift.json
+run_qa qa/engines.ipynb engines.json
+# (tests/test_qa.py checks that every committed result has its run_qa line here.)
 
-# Committed outputs: the QA notebooks with their defaults (writing only under qa/_runs/), then the
-# pages computed from qa/results/.
-bash scripts/execute_notebooks.sh qa/equivalence.ipynb qa/probes.ipynb qa/rotary_kshift.ipynb
-bash scripts/execute_notebooks.sh qa/verdicts.ipynb notebooks/06_when_the_cache_changes_the_answer.ipynb
+# Committed outputs: every QA notebook with its defaults (writing only under qa/_runs/), then the
+# pages computed from qa/results/: the verification report and every chapter that reads the results.
+qa_notebooks=()
+for nb in qa/*.ipynb; do [ "$nb" != qa/verdicts.ipynb ] && qa_notebooks+=("$nb"); done
+bash scripts/execute_notebooks.sh "${qa_notebooks[@]}"
+readers=(qa/verdicts.ipynb)
+for nb in notebooks/*.ipynb; do grep -q 'qa/results' "$nb" && readers+=("$nb"); done
+bash scripts/execute_notebooks.sh "${readers[@]}"
 echo "regenerated: $(ls qa/results/*.json | tr '\n' ' ')"

@@ -51,7 +51,7 @@ def check_online_softmax_attention(ns: dict) -> None:
         q, k, v = _inputs(h, hkv, t, s, d, dtype, i)
         blank = torch.ones(t, s, dtype=torch.bool)
         blank[:, : s // 2] = False
-        for block in (1, 4, 17, 256):
+        for block in ((1, 4, 17, 256) if s <= 40 else (4, 17, 256)):  # block 1 only where it is quick
             for kwargs in ({}, {"causal": True}, {"mask": causal_mask(t, s - t)}, {"mask": blank},
                            {"accum_dtype": dtype}):
                 a = ours(q, k, v, block_size=block, **kwargs)

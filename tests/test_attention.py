@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from labcode.attention import (
     MemoryTracker,
+    interleaved_samples,
     measure_memory,
+    median,
     online_softmax_attention,
     repeat_kv_attention,
     sdpa_attention,
@@ -141,6 +143,9 @@ def test_time_interleaved_reports_a_median_per_function():
     result = time_interleaved({"a": lambda: bump("a"), "b": lambda: bump("b")}, repeats=5, warmup=2)
     assert set(result) == {"a", "b"} and all(t >= 0 for t in result.values())
     assert calls == {"a": 7, "b": 7}
+    samples = interleaved_samples({"a": lambda: bump("a"), "b": lambda: bump("b")}, repeats=4, warmup=0)
+    assert [len(v) for v in samples.values()] == [4, 4] and calls == {"a": 11, "b": 11}
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0, 2.0, 3.0]) == 2.5
     with pytest.raises(ValueError, match="repeats"):
         time_interleaved({"a": lambda: None}, repeats=0)
 

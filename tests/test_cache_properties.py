@@ -1,6 +1,7 @@
 """Property tests: for every prompt length and chunk schedule hypothesis finds, every cache
-gives the full forward's logits (float64: max |diff| <= 1e-12; float32: <= 1e-5), and the
-cached generation loops pick the same tokens as the no-cache reference."""
+gives the full forward's logits (float64: max |diff| <= 1e-12; float32: <= 1e-5 on these small
+models, whose float32 differences measure about 1e-6), and the cached generation loops pick the
+same tokens as the no-cache reference."""
 
 from __future__ import annotations
 
@@ -177,13 +178,13 @@ def _kv(start: int, t: int, layer: int, heads: int = 2) -> tuple[torch.Tensor, t
     return k, -k
 
 
-def _feed(cache, sizes: list[int], n_layers: int = 2):
+def _feed(cache, sizes: list[int], n_layers: int = 2, heads: int = 2):
     """Append chunks of positions to every layer; yield (start, t, returned K per layer, mask per layer)."""
     start = 0
     for t in sizes:
         ks, masks = [], []
         for layer in range(n_layers):
-            k, v = _kv(start, t, layer)
+            k, v = _kv(start, t, layer, heads)
             ks.append(cache.append(layer, k, v)[0])
             masks.append(cache.mask(layer, t))
         cache.advance(t)
@@ -196,11 +197,11 @@ def _positions(k: torch.Tensor, layer: int) -> list[int]:
 
 
 @PROPERTY
-@given(w=st.integers(1, 6), data=st.data())
-def test_window_shift_keeps_exactly_the_latest_positions(w, data):
+@given(w=st.integers(1, 6), heads=st.integers(1, 2), data=st.data())
+def test_window_shift_keeps_exactly_the_latest_positions(w, heads, data):
     sizes = data.draw(st.lists(st.integers(1, w), min_size=1, max_size=12), label="chunks")
     cache, dropped = WindowCache(2, w), 0
-    for start, t, ks, masks in _feed(cache, sizes):
+    for start, t, ks, masks in _feed(cache, sizes, heads=heads):
         end = start + t
         kept = list(range(max(0, end - w), end))
         expect_drop = max(0, min(start, w) + t - w)
@@ -209,7 +210,7 @@ def test_window_shift_keeps_exactly_the_latest_positions(w, data):
         for layer in range(2):
             assert _positions(ks[layer], layer) == kept
             buf = cache.k[layer][0, :, :, 0]  # (Hkv, W): the buffer, element by element
-            for h in range(2):
+            for h in range(heads):
                 assert buf[h, : len(kept)].tolist() == [p + 100 * h + 1000 * layer for p in kept]
             assert torch.equal(cache.v[layer][:, :, : len(kept)], -cache.k[layer][:, :, : len(kept)])
             mask = torch.ones(1, len(kept), dtype=torch.bool) if masks[layer] is None else masks[layer]

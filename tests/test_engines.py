@@ -132,7 +132,7 @@ def test_paged_equals_full_forward_and_forks_share_then_copy(prompt, block, cuts
 def test_paged_crop_equals_never_having_generated(n, drop, block, more, seed):
     model, drop = MODELS[False], min(drop, n - 1)
     seq, tail = tokens(n, seed), tokens(more, seed + 7)
-    pool = BlockPool(CFG.n_layers, n_blocks=30, block_size=block)
+    pool = BlockPool(CFG.n_layers, n_blocks=40, block_size=block)  # room for 25 + 8 one-slot blocks
     cache = PagedCache(pool)
     run_chunks(model, cache, seq, [n])
     cache.crop(drop)
@@ -306,6 +306,18 @@ def test_scattered_batch_equals_each_sequence_alone(rotary, rows, seed, schedule
         assert cache.lengths[r] == len(seqs[r])
         if seqs[r]:
             assert (torch.cat(got[r]) - full_logits(model, seqs[r])).abs().max().item() <= TOL
+
+
+def test_a_full_row_can_idle_while_others_continue():
+    # Row 0 holds every position of the table; its padding must not ask for position 48.
+    model = MODELS[False]
+    cache = ScatteredCache(CFG.n_layers, 2, capacity=CFG.context_length + 8)
+    full_row, other = tokens(CFG.context_length, 0), tokens(3, 1)
+    run_ragged(model, cache, [full_row, other])
+    assert cache.lengths == [CFG.context_length, 3]
+    out = run_ragged(model, cache, [[], [5, 6]])
+    assert out[0].shape[0] == 0
+    assert (out[1] - full_logits(model, other + [5, 6])[3:]).abs().max().item() <= TOL
 
 
 def test_scattered_rejects_bad_input_before_any_change():

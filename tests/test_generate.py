@@ -13,6 +13,7 @@ from labcode.generate import chunk_length, decode_step, generate, generate_nocac
 from labcode.tokenizer import CharTokenizer
 
 TOL64 = 1e-12
+TOL32_TRAINED = 1e-4  # float32 on the trained model, whose logits reach ~10: measured up to ~1.5e-5 at 64 positions
 CFG = GPTConfig(vocab_size=13, context_length=10, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
 torch.manual_seed(0)
 MODEL = GPT(CFG).double().eval()
@@ -137,4 +138,4 @@ def test_trained_model_prints_the_same_text_with_and_without_cache():
         out = generate(model, prompt, 30, make(model))
         assert tok.decode(out.ids[0]) == tok.decode(ref.ids[0]), kind
         diff = max((a - r).abs().max().item() for a, r in zip(out.step_logits, ref.step_logits, strict=True))
-        assert diff <= 1e-5, (kind, diff)  # float32
+        assert diff <= TOL32_TRAINED, (kind, diff)

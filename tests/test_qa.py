@@ -73,7 +73,8 @@ def differences(new, old, path: str, abs_tol: float) -> list[str]:
     if isinstance(old, list) and isinstance(new, list):
         if len(new) != len(old):
             return [f"{path}: length {len(new)} != committed {len(old)}"]
-        return [d for i, (a, b) in enumerate(zip(new, old)) for d in differences(a, b, f"{path}[{i}]", abs_tol)]
+        pairs = enumerate(zip(new, old, strict=True))
+        return [d for i, (a, b) in pairs for d in differences(a, b, f"{path}[{i}]", abs_tol)]
     if isinstance(old, dict) and isinstance(new, dict):
         keys, new_keys = [k for k in old if not TIMING.search(k)], {k for k in new if not TIMING.search(k)}
         if set(keys) != new_keys:
@@ -92,7 +93,7 @@ def compare(new: dict, old: dict) -> list[str]:
     if names_new != names_old:
         return found + [f"checks: {names_new} != committed {names_old}"]
     abs_tol = rounding_tolerance(old)
-    for a, b in zip(new["checks"], old["checks"]):
+    for a, b in zip(new["checks"], old["checks"], strict=True):
         for key in ("claim", "comparison", "tolerance", "passed"):
             if a[key] != b[key]:
                 found.append(f"check {b['name']}: {key} {a[key]!r} != committed {b[key]!r}")
@@ -111,6 +112,14 @@ def test_every_qa_notebook_has_a_committed_result_and_back():
     written = {load(p)["name"] for p in COMMITTED}
     assert {p.stem for p in QA_NOTEBOOKS} - written == set(), "QA notebooks without a committed result"
     assert written - {p.stem for p in QA_NOTEBOOKS} == set(), "committed results whose notebook is missing"
+
+
+def test_regenerate_script_writes_every_committed_result():
+    script = (ROOT / "scripts" / "regenerate_results.sh").read_text()
+    lines = re.findall(r"^run_qa (qa/\S+\.ipynb) (\S+\.json)", script, flags=re.M)
+    assert sorted(f for _, f in lines) == sorted(p.name for p in COMMITTED), "run_qa lines and qa/results/ disagree"
+    for notebook, result in lines:
+        assert notebook == f"qa/{load(QA / 'results' / result)['name']}.ipynb", (notebook, result)
 
 
 @pytest.mark.parametrize("notebook", QA_NOTEBOOKS, ids=lambda p: p.stem)

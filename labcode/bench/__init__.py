@@ -102,7 +102,7 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     with _bar(sizes.floor_rounds * len(sizes.floor_positions), "bandwidth floor", progress) as bar:
         floor = bench_floor(model, list(sizes.floor_positions), sizes.floor_steps, sizes.floor_rounds, streamer,
                             variants={"row-major weights": row_major_copy(model)}, progress=bar)
-    floor["preset"] = sizes.floor_preset
+    floor["preset"], floor["device"] = sizes.floor_preset, device.type
     res.value("floor", floor)
     if sizes.profile_steps:
         res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps)[:30])
@@ -180,8 +180,12 @@ def targets(values: dict) -> list[dict]:
     ]
     floor = values["floor"]
     out.append({"name": "decode_near_floor", "claim": f"cached decode at {floor['preset']} within 1.3x of the "
-                "memory-bandwidth floor at every measured position", "target": 1.3, "comparison": "<=",
+                "memory-bandwidth floor at every measured position (wall clock)", "target": 1.3, "comparison": "<=",
                 "measured": max(floor["ratio"])})
+    if floor.get("device", "cpu") == "cpu":
+        out.append({"name": "decode_near_floor_cpu", "claim": f"cached decode at {floor['preset']} within 1.3x of "
+                    "the memory-bandwidth floor at every measured position (process CPU time)", "target": 1.3,
+                    "comparison": "<=", "measured": max(floor["ratio_cpu"])})
     for preset, run in values["generation"].items():
         out.append({"name": f"speedup_{preset}", "claim": f"cached generation at {preset} ({run['prompt_len']}-token "
                     f"prompt, {run['new_tokens']} new) at least half as much faster as the FLOP count predicts",

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from labcode.bench.timing import Streamer, median, rotated, timed
+from labcode.bench.timing import Streamer, median, rotated, timed, timed_cpu
 from labcode.caches import ConcatCache, GrowableCache, RingCache, WindowCache
 from labcode.flops import generation_flops
 from labcode.generate import decode_step, prefill
@@ -179,6 +179,7 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
     `variants` (other models of the same shape, e.g. another weight layout) are timed
     interleaved with `model`, step by step. Bandwidth is measured by `streamer` between
     positions, in the same process; the floor uses the median of all those measurements.
+    Everything is measured twice: in wall-clock time and in process CPU time (`_cpu`).
     """
     device, gen = model.device, torch.Generator(device="cpu").manual_seed(0)
     models = {"model": model, **(variants or {})}
@@ -195,7 +196,7 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
             for s in range(steps):
                 for name in rotated(list(models), s + r):
                     m, c = models[name], caches[name]
-                    step_s[name][p].append(timed(lambda m=m, c=c: decode_step(m, token, c), device))
+                    step_s[name][p].append(timed_cpu(lambda m=m, c=c: decode_step(m, token, c), device))
             del caches
             bandwidth.append(streamer.measure())
             if progress is not None:
@@ -203,22 +204,17 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
     bw = {key: median([b[key] for b in bandwidth]) for key in bandwidth[0]}
     w_bytes = weight_bytes_per_step(model)
     # Steps at p + warmup .. p + warmup + steps - 1 were timed; their keys include the new one.
-    keys = [p + warmup + (steps + 1) // 2 for p in positions]
-    kv = [kv_bytes_per_step(model, s) for s in keys]
-    floor = [(w_bytes + b) / bw["best"] for b in kv]
-    med = {name: [median(step_s[name][p]) for p in positions] for name in models}
-    return {
-        "positions": positions,
-        "step_s": med["model"],
-        "weight_bytes": w_bytes,
-        "kv_bytes": kv,
-        "bandwidth_bytes_per_s": bw,
-        "bandwidth_samples": [b["best"] for b in bandwidth],
-        "floor_s": floor,
-        "ratio": [t / f for t, f in zip(med["model"], floor, strict=True)],
-        "variants": {name: {"step_s": med[name], "ratio": [t / f for t, f in zip(med[name], floor, strict=True)]}
-                     for name in models if name != "model"},
-    }
+    kv = [kv_bytes_per_step(model, p + warmup + (steps + 1) // 2) for p in positions]
+    out = {"positions": positions, "weight_bytes": w_bytes, "kv_bytes": kv, "bandwidth_bytes_per_s": bw,
+           "bandwidth_samples": [b["best"] for b in bandwidth], "variants": {}}
+    for i, suffix in ((0, ""), (1, "_cpu")):  # wall clock, then CPU time
+        floor = [(w_bytes + b) / bw["best" + suffix] for b in kv]
+        for name in models:
+            med = [median([t[i] for t in step_s[name][p]]) for p in positions]
+            res = {"step" + suffix + "_s": med, "ratio" + suffix: [t / f for t, f in zip(med, floor, strict=True)]}
+            (out if name == "model" else out["variants"].setdefault(name, {})).update(res)
+        out["floor" + suffix + "_s"] = floor
+    return out
 
 
 @torch.inference_mode()

@@ -83,23 +83,26 @@ def plot_speedup(values: dict) -> Figure:
 
 
 def plot_floor(values: dict, target: float = 1.3) -> Figure:
-    """Cached decode step time against the memory-bandwidth floor, across positions."""
+    """Cached decode step time against the memory-bandwidth floor, across positions: wall clock and CPU time."""
     res = values["floor"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 5.5), sharex=True)
-    top.plot(res["positions"], [t * MS for t in res["step_s"]], "o-", label="measured decode step")
-    for name, var in res.get("variants", {}).items():
-        top.plot(res["positions"], [t * MS for t in var["step_s"]], "x:", label=f"same model, {name}")
-    top.plot(res["positions"], [t * MS for t in res["floor_s"]], "s--", color="black",
-             label="floor: bytes read / bandwidth")
-    top.set(ylabel="ms per step", ylim=(0, None), title=f"{res.get('preset', '')} decode against the bandwidth floor")
-    top.legend()
-    bottom.plot(res["positions"], res["ratio"], "o-", color="tab:blue", label="model")
-    for name, var in res.get("variants", {}).items():
-        bottom.plot(res["positions"], var["ratio"], "x:", color="tab:orange", label=name)
-    bottom.axhline(target, color="tab:red", ls="--", label=f"target {target}x")
-    bottom.axhline(1.0, color="gray", lw=0.8)
-    bottom.set(xlabel="position of the new token", ylabel="measured / floor", ylim=(0.8, None))
-    bottom.legend()
+    clocks = [("", "wall clock")] + ([("_cpu", "process CPU time")] if "ratio_cpu" in res else [])
+    fig, axes = plt.subplots(2, len(clocks), figsize=(6 * len(clocks), 5.5), sharex=True, squeeze=False)
+    x = res["positions"]
+    for col, (suffix, clock) in enumerate(clocks):
+        top, bottom = axes[0][col], axes[1][col]
+        top.plot(x, [t * MS for t in res[f"step{suffix}_s"]], "o-", label="measured decode step")
+        for name, var in res.get("variants", {}).items():
+            top.plot(x, [t * MS for t in var[f"step{suffix}_s"]], "x:", label=f"same model, {name}")
+        top.plot(x, [t * MS for t in res[f"floor{suffix}_s"]], "s--", color="black", label="floor: bytes / bandwidth")
+        top.set(ylabel="ms per step", ylim=(0, None), title=f"{res.get('preset', '')} decode, {clock}")
+        bottom.plot(x, res[f"ratio{suffix}"], "o-", color="tab:blue", label="model")
+        for name, var in res.get("variants", {}).items():
+            bottom.plot(x, var[f"ratio{suffix}"], "x:", color="tab:orange", label=name)
+        bottom.axhline(target, color="tab:red", ls="--", label=f"target {target}x")
+        bottom.axhline(1.0, color="gray", lw=0.8)
+        bottom.set(xlabel="position of the new token", ylabel="measured / floor", ylim=(0.8, None))
+    axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -5,6 +5,7 @@ from labcode.caches.concat import ConcatCache
 from labcode.caches.explicit import PairsCache
 from labcode.caches.growable import GrowableCache
 from labcode.caches.naive import ModuleStateCache
+from labcode.caches.prealloc import PreallocatedCache
 from labcode.caches.ring import RingCache
 from labcode.caches.window import WindowCache
 
@@ -15,6 +16,7 @@ __all__ = [
     "KVCache",
     "ModuleStateCache",
     "PairsCache",
+    "PreallocatedCache",
     "RingCache",
     "WindowCache",
 ]
