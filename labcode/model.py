@@ -39,14 +39,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hkv, (h // hkv) * t, d)  # (B, Hkv, G*T, D): heads of a group stacked on rows
-    scores = (qg @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, Hkv, G*T, S)
+    g = h // hkv
+    # Batched products on 3-D views (what `@` on 4-D tensors does inside, minus its bookkeeping,
+    # which a one-token decode step pays in every layer); for cache buffers these are views, not copies.
+    qg = q.reshape(b * hkv, g * t, d)  # (B*Hkv, G*T, D): heads of a group stacked on rows
+    scores = torch.bmm(qg, k.reshape(b * hkv, s, d).transpose(1, 2)).mul_(1.0 / math.sqrt(d))  # (B*Hkv, G*T, S)
     if mask is not None:
-        scores = scores.view(b, hkv, h // hkv, t, s).masked_fill(~mask, float("-inf")).view(b, hkv, -1, s)
+        scores.view(b, hkv, g, t, s).masked_fill_(~mask, float("-inf"))  # in place; mask [T, S] or [B, 1, 1, T, S]
     weights = scores.softmax(dim=-1)
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p, training=True)
-    return (weights @ v).reshape(b, h, t, d)  # (B, H, T, D)
+    return torch.bmm(weights, v.reshape(b * hkv, s, d)).view(b, h, t, d)  # (B, H, T, D)
 
 
 class CausalSelfAttention(nn.Module):

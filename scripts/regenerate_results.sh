@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate every committed QA result, then re-execute the pages that read them.
 #
-#   bash scripts/regenerate_results.sh
+#   bash scripts/regenerate_results.sh           # every QA notebook's result (a few minutes)
+#   bash scripts/regenerate_results.sh --bench   # and the benchmarks too (several minutes more)
 #
 # How the QA notebooks, their results and the tests fit together:
 # - Each QA notebook (qa/*.ipynb except qa/verdicts.ipynb) takes papermill parameters in its first
@@ -22,10 +23,21 @@
 #   chapter-6 notebook with outputs computed from qa/results/; nbval checks all of them. So after
 #   regenerating, this script re-executes them in place.
 #
+# - qa/results/bench.json is not written by a QA notebook: it is the benchmark record of
+#   `python -m labcode.bench --full`, with timings of the machine it ran on. Timings are recorded,
+#   never compared, so it is regenerated only when asked (--bench) and the tests do not replay it.
+#
 # If a QA run fails, the script stops with papermill's error; the executed notebook is kept in
 # qa/_runs/ for reading.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bench=0
+for arg in "$@"; do
+  case "$arg" in
+    --bench) bench=1 ;;
+    *) echo "usage: bash scripts/regenerate_results.sh [--bench]" >&2; exit 2 ;;
+  esac
+done
 unset MPLBACKEND  # a non-interactive backend set here would drop every figure from the notebooks
 mkdir -p qa/_runs
 
@@ -42,7 +54,11 @@ run_qa qa/equivalence.ipynb equivalence_float32.json -p dtype float32
 run_qa qa/probes.ipynb probes.json
 run_qa qa/rotary_kshift.ipynb rotary_kshift.json
 run_qa qa/engines.ipynb engines.json
-# (tests/test_qa.py checks that every committed result has its run_qa line here.)
+# (tests/test_qa.py checks that every committed result has its line here.)
+if [ "$bench" = 1 ]; then
+  echo "regenerating qa/results/bench.json (the benchmarks, several minutes)"
+  .venv/bin/python -m labcode.bench --full --no-progress --out qa/results/bench.json
+fi
 
 # Committed outputs: every QA notebook with its defaults (writing only under qa/_runs/), then the
 # pages computed from qa/results/: the verification report and every chapter that reads the results.

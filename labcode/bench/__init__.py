@@ -84,11 +84,20 @@ def _bar(total: int, desc: str, enabled: bool):
 def run_benchmarks(mode: str = "quick", device: torch.device | None = None, progress: bool = True) -> QAResult:
     """Run every benchmark at the sizes of `mode` ("test", "quick" or "full"); return the unwritten result."""
     sizes, device = SIZES[mode], device or default_device()
-    started = time.perf_counter()
+    started = section = time.perf_counter()
+    sections = {}
+
+    def lap(name: str) -> None:
+        nonlocal section
+        sections[name] = time.perf_counter() - section
+        section = time.perf_counter()
+
     res = QAResult("bench", {"mode": mode, "device": str(device), **asdict(sizes)}, machine_dependent=True)
     res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device),
                           "matmul_flops_per_s": matmul_flops_per_s(device)})
+    lap("machine")
     _append_benchmarks(res, sizes, device, progress)
+    lap("append")
     models = {}
     generation = {}
     for preset, prompt, new, rounds in sizes.generation:
@@ -97,6 +106,7 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
             generation[preset] = bench_generation(models[preset], prompt, new, rounds, progress=bar)
         generation[preset]["preset"] = preset
     res.value("generation", generation)
+    lap("generation")
     model = models.get(sizes.floor_preset) or random_model(sizes.floor_preset, device)
     streamer = Streamer(sizes.bandwidth_mbytes, device)
     with _bar(sizes.floor_rounds * len(sizes.floor_positions), "bandwidth floor", progress) as bar:
@@ -107,9 +117,12 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     if sizes.profile_steps:
         res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps)[:30])
     del streamer, models, model
+    lap("floor")
     _flop_checks(res)
+    lap("flop_checks")
     _correctness_checks(res)
     res.value("targets", targets(res.doc["values"]))
+    res.value("section_s", sections)
     res.value("elapsed_s", time.perf_counter() - started)
     return res
 

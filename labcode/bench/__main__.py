@@ -22,13 +22,14 @@ def main(argv: list[str] | None = None) -> int:
                         "qa/_runs/bench_<mode>.json otherwise, so a quick run never replaces the book's numbers)")
     parser.add_argument("--plots", default=None, metavar="DIR", help="also write the figures as PNG files here")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default: %(default)s; on a machine shared with other jobs, more "
+                        "threads wait for each other and the timings stop meaning anything)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     mode_name = args.mode or "quick"
     assert mode_name in SIZES
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device) if args.device else default_device()
     result = run_benchmarks(mode_name, device, progress=not args.no_progress)
     out = args.out or ("qa/results/bench.json" if mode_name == "full" else f"qa/_runs/bench_{mode_name}.json")
