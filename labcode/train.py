@@ -24,7 +24,8 @@ def train(cfg: GPTConfig, steps: int = 1500, batch_size: int = 32, lr: float = 3
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float sums depend on the thread count: pin it for reproducible bytes
     # Weight init and dropout draw from the global generator: seed it, and leave the caller's untouched.
-    with torch.random.fork_rng():
+    # Training needs autograd even when the caller turned it off for inference.
+    with torch.random.fork_rng(), torch.enable_grad():
         torch.manual_seed(seed)
         try:
             return _train(cfg, steps, batch_size, lr, seed, log_every)

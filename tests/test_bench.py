@@ -61,7 +61,8 @@ def test_result_file_is_schema_valid_and_machine_dependent(bench_run):
 
 def test_result_holds_every_measurement(bench_run):
     values = bench_run[0]["values"]
-    for key in ("machine", "append", "append_attention", "generation", "floor", "targets", "elapsed_s"):
+    for key in ("machine", "append", "append_attention", "generation", "floor", "linear_layouts", "targets",
+                "elapsed_s"):
         assert key in values, key
     assert set(values["append"]) == {"candle", "long"}
     for run in values["append"].values():
@@ -76,7 +77,10 @@ def test_result_holds_every_measurement(bench_run):
         assert all(len(ts) == new for ts in run["per_step_s"].values())
         assert run["predicted_speedup"] == run["flops_nocache"] / run["flops_cached"]
     floor = values["floor"]
-    assert len(floor["ratio"]) == len(floor["positions"]) == len(floor["floor_s"])
+    assert len(floor["ratio"]) == len(floor["positions"]) == len(floor["floor_s"]) == len(floor["ratio_cpu"])
+    assert set(floor["variants"]) == {"row-major weights"}
+    assert floor["overhead"]["d_model"] == 4 * get_config("tiny").n_heads and floor["overhead"]["step_s"] > 0
+    assert {tuple(r["shape"]) for r in values["linear_layouts"]} == {(256, 64), (64, 256), (64, 64), (128, 64)}
 
 
 def test_checks_are_about_correctness_and_pass(bench_run):

@@ -63,7 +63,7 @@ def test_every_copy_has_a_check_and_every_check_a_copy():
 def test_teaching_copy_matches_labcode(path, name, index):
     cells = _code_cells(path)
     namespace: dict = {"__name__": f"drift_{path.stem}"}
-    threads = torch.get_num_threads()
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()  # setup cells may change both
     try:
         exec(compile(cells[0], f"{path.name}[setup]", "exec"), namespace)
         for i in range(1, index + 1):
@@ -71,4 +71,5 @@ def test_teaching_copy_matches_labcode(path, name, index):
                 exec(compile(cells[i], f"{path.name}[cell {i}]", "exec"), namespace)
     finally:
         torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
     CHECKS[name](namespace)

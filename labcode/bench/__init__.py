@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from labcode.bench.append import AppendSetup, bench_append, bench_append_attention
-from labcode.bench.decode import bench_floor, bench_generation, profile_decode, row_major_copy
-from labcode.bench.timing import Streamer, matmul_flops_per_s, op_overhead
+from labcode.bench.decode import bench_floor, bench_generation, overhead_step, profile_decode, row_major_copy
+from labcode.bench.timing import Streamer, linear_layouts, matmul_flops_per_s, op_overhead
 from labcode.config import get_config
 from labcode.flops import forward_flops, measure_flops
 from labcode.model import GPT
@@ -39,10 +39,11 @@ class Sizes:
     append_rounds: int = 3
     attention_decode: int = 200
     attention_rounds: int = 3
+    # (preset, prompt length, new tokens, rounds) for each end-to-end generation benchmark
     generation: tuple[tuple[str, int, int, int], ...] = (("tiny", 16, 48, 5), ("gpt2-124m", 64, 256, 1))
-    floor_preset: str = "gpt2-124m"  # (preset, prompt, new tokens, rounds) above; preset here
+    floor_preset: str = "gpt2-124m"  # the model whose decode steps are held against the bandwidth floor
     floor_positions: tuple[int, ...] = tuple(range(0, 1009, 48))
-    floor_steps: int = 7
+    floor_steps: int = 11
     floor_rounds: int = 2
     bandwidth_mbytes: int = 256
     profile_position: int = 512
@@ -113,9 +114,12 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
         floor = bench_floor(model, list(sizes.floor_positions), sizes.floor_steps, sizes.floor_rounds, streamer,
                             variants={"row-major weights": row_major_copy(model)}, progress=bar)
     floor["preset"], floor["device"] = sizes.floor_preset, device.type
+    floor["overhead"] = overhead_step(model, sizes.floor_positions[len(sizes.floor_positions) // 2])
     res.value("floor", floor)
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n})
+    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2))
     if sizes.profile_steps:
-        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps)[:30])
+        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps))
     del streamer, models, model
     lap("floor")
     _flop_checks(res)

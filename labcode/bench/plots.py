@@ -76,7 +76,9 @@ def plot_speedup(values: dict) -> Figure:
         methods = [m for m in res["speedup"] if m != "nocache"]
         ax.barh(methods, [res["speedup"][m] for m in methods], color="tab:blue", label="measured")
         ax.axvline(res["predicted_speedup"], color="tab:red", ls="--", label="FLOP-count prediction")
-        ax.set(xscale="log", xlabel="speedup over no cache (total time)", title=preset)
+        ax.axvline(1.0, color="gray", lw=0.8)
+        ax.set(xscale="log", xlabel="speedup over no cache (total time)", title=preset,
+               xlim=(0.5, 2 * max(res["predicted_speedup"], *res["speedup"].values())))
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
