@@ -130,3 +130,14 @@ def artifacts_dir() -> Path:
     path = ROOT / "test-artifacts"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: a second thread only adds contention (and float sums can depend on it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

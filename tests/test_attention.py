@@ -20,14 +20,7 @@ from labcode.attention import (
 from labcode.masks import causal_mask
 from labcode.model import attend
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second thread only adds contention (and float sums can depend on it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # defined in conftest.py
 
 
 def qkv(b=1, h=4, hkv=2, t=1, s=64, d=8, dtype=torch.float64, seed=0):

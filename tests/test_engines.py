@@ -31,13 +31,7 @@ from labcode.engines import (
 TOL = 1e-12  # float64 equivalence
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second thread only adds contention (and float sums can depend on it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # defined in conftest.py
 CFG = GPTConfig(vocab_size=32, context_length=48, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32)
 
 
