@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from labcode import GPT, get_config
-from labcode.bench import SIZES, random_model
+from labcode.bench import SIZES, random_model, speedup_at_floor
 from labcode.bench.__main__ import main as bench_main
 from labcode.bench.append import AppendSetup, bench_append
-from labcode.bench.decode import kv_bytes_per_step, weight_bytes_per_step
+from labcode.bench.decode import ProductsOnly, kv_bytes_per_step, products_only_diff, weight_bytes_per_step
 from labcode.caches import ConcatCache, GrowableCache, PairsCache, RingCache, WindowCache
 from labcode.cost import kv_cache_bytes, kv_cache_elements
 from labcode.flops import (
@@ -31,7 +31,7 @@ from labcode.flops import (
     linear_sum,
     measure_flops,
 )
-from labcode.generate import generate, generate_nocache
+from labcode.generate import decode_step, generate, generate_nocache
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "qa" / "results.schema.json").read_text())
@@ -78,7 +78,8 @@ def test_result_holds_every_measurement(bench_run):
         assert run["predicted_speedup"] == run["flops_nocache"] / run["flops_cached"]
     floor = values["floor"]
     assert len(floor["ratio"]) == len(floor["positions"]) == len(floor["floor_s"]) == len(floor["ratio_cpu"])
-    assert set(floor["variants"]) == {"row-major weights"}
+    assert set(floor["variants"]) == {"row-major weights", "products only"}
+    assert floor["kv_bytes_per_key"] == 2 * get_config("tiny").n_layers * get_config("tiny").d_model * 4
     assert floor["overhead"]["d_model"] == 4 * get_config("tiny").n_heads and floor["overhead"]["step_s"] > 0
     assert {tuple(r["shape"]) for r in values["linear_layouts"]} == {(256, 64), (64, 256), (64, 64), (128, 64)}
 
@@ -86,7 +87,7 @@ def test_result_holds_every_measurement(bench_run):
 def test_checks_are_about_correctness_and_pass(bench_run):
     doc, _ = bench_run
     names = {c["name"] for c in doc["checks"]}
-    assert {"flops_full_forward", "flops_decode_step", "attention_methods_agree"} <= names
+    assert {"flops_full_forward", "flops_decode_step", "attention_methods_agree", "products_only_logits"} <= names
     assert not any("speed" in n or "floor" in n for n in names), "timings must never be checks"
     assert doc["passed"], [c for c in doc["checks"] if not c["passed"]]
 
@@ -96,6 +97,35 @@ def test_targets_are_reported_not_enforced(bench_run):
     assert {t["name"] for t in targets} >= {"slice_write_flat", "slice_vs_cat_long", "decode_near_floor"}
     for t in targets:
         assert isinstance(t["met"], bool) and isinstance(t["measured"], float)
+    by_name = {t["name"]: t for t in targets}
+    assert by_name["decode_near_floor"]["products_only"] > 0
+    floor_preset = SIZES["test"].floor_preset  # only the generation of the floor's preset gets the bound
+    assert [n for n, t in by_name.items() if "speedup_at_floor" in t] == [f"speedup_{floor_preset}"]
+
+
+def test_speedup_at_floor_adds_one_floor_per_decode_step():
+    run = {"positions": [4, 5, 6], "total_s": {"nocache": 12.0}, "per_step_s": {"window": [1.0, 9.0, 9.0]}}
+    floor = {"bandwidth_bytes_per_s": {"best": 10.0}, "kv_bytes_per_key": 2, "weight_bytes": 10}
+    # decode steps attend to 5 and 6 keys: (10 + 10) / 10 + (10 + 12) / 10 = 4.2 s, plus the measured prompt pass
+    assert speedup_at_floor(run, floor) == pytest.approx(12.0 / 5.2)
+
+
+@pytest.mark.parametrize("name", ["tiny", "gqa", "rotary"])
+def test_products_only_step_computes_the_models_logits(name):
+    cfg = {"tiny": get_config("tiny"), "gqa": get_config("tiny", n_kv_heads=2),
+           "rotary": get_config("tiny", rotary=True, n_kv_heads=1)}[name]
+    model = _model(cfg).double()
+    for position in (0, 1, 30):
+        assert products_only_diff(model, position) <= 1e-12
+    with torch.inference_mode():  # and it leaves the cache as the model would: the next step continues it
+        lean, ref = (WindowCache(cfg.n_layers, cfg.context_length) for _ in range(2))
+        ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+        for t in range(6):
+            a = decode_step(ProductsOnly(model), ids[:, t], lean)
+            b = decode_step(model, ids[:, t], ref)
+            assert (a - b).abs().max() <= 1e-12
+        assert lean.position == ref.position == 6 and lean.ptr == ref.ptr
+        assert torch.equal(lean.read(1)[0], ref.read(1)[0])
 
 
 def test_every_figure_is_written(bench_run):

@@ -12,11 +12,13 @@ from collections import defaultdict
 
 import torch
 
+import torch.nn.functional as F
+
 from labcode.bench.timing import Streamer, median, rotated, timed, timed_cpu
 from labcode.caches import ConcatCache, GrowableCache, RingCache, WindowCache
 from labcode.flops import generation_flops
 from labcode.generate import decode_step, prefill
-from labcode.model import GPT
+from labcode.model import GPT, attend, rotate
 
 METHODS = ("nocache", "cat", "window", "ring", "grow_linear", "grow_double", "naive", "explicit")
 LABELS = {
@@ -171,12 +173,71 @@ def row_major_copy(model: GPT) -> GPT:
     return other
 
 
+class ProductsOnly:
+    """A cached decode step reduced to its tensor operations: no modules, no checks, no cache object logic.
+
+    A measuring device, not a design: it writes one position into a `WindowCache`'s
+    buffers and reads them back as the model does, with the model's own weights and
+    `attend`, but skips every Python layer around the operations (module calls,
+    the model's and the cache's validation, masks, positions). Its time is what eager
+    PyTorch's kernels need for one step, so the model's distance to it is the cost of
+    the course's structure, and its own distance to the floor is the kernels'.
+    Callable like the model on one new position: `step(ids [B, 1], cache) -> logits [B, 1, V]`.
+    """
+
+    def __init__(self, model: GPT) -> None:
+        self.model, self.cfg, self.device, self.dtype = model, model.cfg, model.device, model.dtype
+        self.layers = [(b.ln_1, b.attn.q_proj, b.attn.kv_proj, b.attn.out_proj, b.ln_2, b.mlp[0], b.mlp[2])
+                       for b in model.blocks]
+
+    def __call__(self, ids: torch.Tensor, cache: WindowCache) -> torch.Tensor:
+        m, cfg = self.model, self.cfg
+        b, n = ids.shape[0], cache.ptr[0]
+        h, hkv, d, c = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+        assert ids.shape[1] == 1 and n < cache.capacity, "one new position, without a drop"
+        x = F.embedding(ids, m.tok_emb.weight)  # (B, 1, C)
+        if m.pos_emb is not None:
+            x = x + m.pos_emb.weight[n]
+        pos = torch.tensor([n], device=ids.device)
+        for layer, (ln1, wq, wkv, wo, ln2, fc, proj) in enumerate(self.layers):
+            a = F.layer_norm(x, (c,), ln1.weight, ln1.bias, ln1.eps)
+            q = F.linear(a, wq.weight, wq.bias).view(b, 1, h, d).transpose(1, 2)  # (B, H, 1, D)
+            k, v = F.linear(a, wkv.weight, wkv.bias).view(b, 1, 2, hkv, d).permute(2, 0, 3, 1, 4)
+            if cfg.rotary:
+                q, k = rotate(q, pos, cfg.rope_base), rotate(k, pos, cfg.rope_base)
+            if cache.k[layer] is None:  # an empty cache: its buffers come with the first write
+                cache._ensure_buffers(layer, k)
+            keys, values = cache.k[layer], cache.v[layer]
+            keys.narrow(2, n, 1).copy_(k)
+            values.narrow(2, n, 1).copy_(v)
+            y = attend(q, keys.narrow(2, 0, n + 1), values.narrow(2, 0, n + 1), None)
+            x = x + F.linear(y.transpose(1, 2).reshape(b, 1, c), wo.weight, wo.bias)
+            a = F.layer_norm(x, (c,), ln2.weight, ln2.bias, ln2.eps)
+            x = x + F.linear(F.gelu(F.linear(a, fc.weight, fc.bias), approximate="tanh"), proj.weight, proj.bias)
+        cache.ptr = [n + 1] * cache.n_layers
+        cache.position += 1
+        return F.linear(F.layer_norm(x, (c,), m.ln_f.weight, m.ln_f.bias, m.ln_f.eps), m.tok_emb.weight)
+
+
+@torch.inference_mode()
+def products_only_diff(model: GPT, position: int) -> float:
+    """Max |logit difference| between `ProductsOnly` and the model on the same cached step (float32 rounding)."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    caches = [WindowCache(model.cfg.n_layers, model.cfg.context_length) for _ in range(2)]
+    token = torch.randint(0, model.cfg.vocab_size, (1,), generator=gen).to(model.device)
+    for cache in caches:
+        _fill(cache, model, position, torch.Generator(device="cpu").manual_seed(0))
+    lean = decode_step(ProductsOnly(model), token, caches[0])
+    return float((lean - decode_step(model, token, caches[1])).abs().max())
+
+
 @torch.inference_mode()
 def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, streamer: Streamer,
                 variants: dict[str, GPT] | None = None, warmup: int = 2, progress=None) -> dict:
     """Seconds per cached decode step at each position, next to (weights + K/V bytes) / measured bandwidth.
 
-    `variants` (other models of the same shape, e.g. another weight layout) are timed
+    `variants` (other models of the same shape, e.g. another weight layout, or callables
+    such as `ProductsOnly` that step a `WindowCache` like the model) are timed
     interleaved with `model`, step by step. Bandwidth is measured by `streamer` between
     positions, in the same process; the floor uses the median of all those measurements.
     Everything is measured twice: in wall-clock time and in process CPU time (`_cpu`).
@@ -206,6 +267,7 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
     # Steps at p + warmup .. p + warmup + steps - 1 were timed; their keys include the new one.
     kv = [kv_bytes_per_step(model, p + warmup + (steps + 1) // 2) for p in positions]
     out = {"positions": positions, "weight_bytes": w_bytes, "kv_bytes": kv, "bandwidth_bytes_per_s": bw,
+           "kv_bytes_per_key": kv_bytes_per_step(model, 1),
            "bandwidth_samples": [b["best"] for b in bandwidth], "variants": {}}
     for i, suffix in ((0, ""), (1, "_cpu")):  # wall clock, then CPU time
         floor = [(w_bytes + b) / bw["best" + suffix] for b in kv]

@@ -24,7 +24,7 @@ def expect(ok: bool, argument: str, expected: str, got: object) -> None:
 
 def is_count(x: object) -> bool:
     """True for a Python int that is not a bool (bools are ints, but never a size)."""
-    return isinstance(x, int) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, int) and not isinstance(x, bool))
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
@@ -80,33 +80,40 @@ class KVCache:
 
     # -- validation: everything is checked before anything is written --------
     def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Raise CacheError if a chunk of `t_new` tokens cannot be appended; change nothing."""
-        expect(is_count(t_new) and t_new > 0, "t_new", "at least one new token", t_new)
-        if self.max_chunk is not None:
-            expect(t_new <= self.max_chunk, "t_new",
+        """Raise CacheError if a chunk of `t_new` tokens cannot be appended; change nothing.
+
+        Runs for every layer of every call, so the messages are only built on failure.
+        """
+        if not (is_count(t_new) and t_new > 0):
+            expect(False, "t_new", "at least one new token", t_new)
+        if self.max_chunk is not None and t_new > self.max_chunk:
+            expect(False, "t_new",
                    f"a chunk of at most {self.max_chunk} tokens (the window; prefill longer prompts in chunks)",
                    t_new)
         if self.batch is not None:
-            expect(batch == self.batch, "batch", f"the cache's batch size {self.batch} (reset it for a new batch)",
-                   batch)
-            expect(dtype == self.dtype, "dtype", f"the cache's dtype {self.dtype}", dtype)
-            expect(same_device(device, self.device), "device", f"the cache's device {self.device}", device)
+            if batch != self.batch:
+                expect(False, "batch", f"the cache's batch size {self.batch} (reset it for a new batch)", batch)
+            if dtype != self.dtype:
+                expect(False, "dtype", f"the cache's dtype {self.dtype}", dtype)
+            if device != self.device and not same_device(device, self.device):
+                expect(False, "device", f"the cache's device {self.device}", device)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, D] for `layer`; return all keys and values to attend to."""
-        expect(is_count(layer) and 0 <= layer < self.n_layers, "layer", f"0 <= layer < {self.n_layers}", layer)
-        expect(isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor), "k, v", "two tensors",
-               (type(k).__name__, type(v).__name__))
-        expect(k.dim() == 4 and k.shape == v.shape, "k, v", "two [B, Hkv, T, D] tensors of one shape",
-               (tuple(k.shape), tuple(v.shape)))
-        expect(k.dtype == v.dtype and k.device == v.device, "k, v", "one dtype and one device",
-               (k.dtype, v.dtype, k.device, v.device))
-        KVCache.check(self, k.shape[0], k.shape[2], k.dtype, k.device)  # the per-chunk rules, for every layer
-        if self.kv_heads is not None:
-            expect((k.shape[1], k.shape[3]) == (self.kv_heads, self.head_dim), "k, v",
-                   f"Hkv={self.kv_heads} heads of D={self.head_dim}, as cached", tuple(k.shape))
-        else:
+        if not (is_count(layer) and 0 <= layer < self.n_layers):
+            expect(False, "layer", f"0 <= layer < {self.n_layers}", layer)
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            expect(False, "k, v", "two tensors", (type(k).__name__, type(v).__name__))
+        shape = k.shape
+        if not (len(shape) == 4 and shape == v.shape):
+            expect(False, "k, v", "two [B, Hkv, T, D] tensors of one shape", (tuple(shape), tuple(v.shape)))
+        if not (k.dtype == v.dtype and k.device == v.device):
+            expect(False, "k, v", "one dtype and one device", (k.dtype, v.dtype, k.device, v.device))
+        KVCache.check(self, shape[0], shape[2], k.dtype, k.device)  # the per-chunk rules, for every layer
+        if self.kv_heads is None:
             self._remember(k)
+        elif shape[1] != self.kv_heads or shape[3] != self.head_dim:
+            expect(False, "k, v", f"Hkv={self.kv_heads} heads of D={self.head_dim}, as cached", tuple(shape))
         return self._append(layer, k, v)
 
     def _remember(self, k: torch.Tensor) -> None:

@@ -31,8 +31,8 @@ class PreallocatedCache(KVCache):
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
         t = k.shape[2]
-        self.k[layer][:, :, at : at + t] = k  # copies T rows, whatever the cached length
-        self.v[layer][:, :, at : at + t] = v
+        self.k[layer].narrow(2, at, t).copy_(k)  # copies T rows, whatever the cached length
+        self.v[layer].narrow(2, at, t).copy_(v)
         self.rows_copied += 2 * t
 
     def length(self, layer: int = 0) -> int:

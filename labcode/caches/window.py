@@ -58,7 +58,7 @@ class WindowCache(PreallocatedCache):
             self.total_dropped += drop
         self._write(layer, k, v, n)
         self.ptr[layer] = n + t
-        return self.k[layer][:, :, : n + t], self.v[layer][:, :, : n + t]  # views, no copy
+        return self.k[layer].narrow(2, 0, n + t), self.v[layer].narrow(2, 0, n + t)  # views, no copy
 
     def mask(self, layer: int, t_new: int) -> torch.Tensor | None:
         """The offset causal mask over the kept rows; the window rule never hides a kept row
