@@ -19,8 +19,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from labcode.bench.append import AppendSetup, bench_append, bench_append_attention
-from labcode.bench.decode import (ProductsOnly, bench_floor, bench_generation, overhead_step, products_only_diff,
-                                  profile_decode, row_major_copy)
+from labcode.bench.decode import (
+    ProductsOnly,
+    bench_floor,
+    bench_generation,
+    overhead_step,
+    products_only_diff,
+    profile_decode,
+    row_major_copy,
+)
 from labcode.bench.timing import Streamer, linear_layouts, matmul_flops_per_s, op_overhead
 from labcode.config import get_config
 from labcode.flops import forward_flops, measure_flops

@@ -11,7 +11,6 @@ import copy
 from collections import defaultdict
 
 import torch
-
 import torch.nn.functional as F
 
 from labcode.bench.timing import Streamer, median, rotated, timed, timed_cpu
