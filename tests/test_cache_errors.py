@@ -255,6 +255,19 @@ def test_ring_ordered_needs_a_filled_layer():
 
 # -- generation: everything is checked before the first chunk runs ---------------------------------
 
+@pytest.mark.parametrize("kind", ["window", "ring", "growable-linear", "growable-double"])
+def test_buffers_made_in_inference_mode_are_refused_outside_it(kind):
+    cache = FACTORIES[kind]()
+    out = generate(MODEL, IDS[:, :3], 3, cache)  # generate runs under torch.inference_mode
+    nxt = out.ids[:, -1]
+    rejected(cache, lambda: decode_step(MODEL, nxt, cache), CacheError, "cache: expected a call under "
+             r"torch.inference_mode\(\)")
+    with torch.enable_grad():
+        rejected(cache, lambda: decode_step(MODEL, nxt, cache), CacheError, "inference_mode")
+    with torch.inference_mode():  # where it was filled, the cache continues
+        assert decode_step(MODEL, nxt, cache).shape == (2, CFG.vocab_size)
+
+
 @pytest.mark.parametrize("kind", FACTORIES)
 def test_prefill_rejects_a_prompt_that_would_cross_the_table_midway(kind):
     cache = filled(kind, 18)

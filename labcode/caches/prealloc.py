@@ -23,6 +23,15 @@ class PreallocatedCache(KVCache):
         self.ptr = [0] * n_layers  # next free slot per layer
         self.rows_copied = 0  # token rows written or moved inside the buffers, summed over layers, K and V
 
+    def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The common checks, and one of this family's own: buffers made under `torch.inference_mode`
+        (as `generate` makes them) can only be written under it, so a call outside is refused up front."""
+        super().check(batch, t_new, dtype, device)
+        k = self.k[0]
+        if k is not None and k.is_inference() and not torch.is_inference_mode_enabled():
+            expect(False, "cache", "a call under torch.inference_mode(), where its buffers were made "
+                   "(generate runs there); PyTorch forbids writing into them outside it", "a call outside it")
+
     def _ensure_buffers(self, layer: int, k: torch.Tensor) -> None:
         if self.k[layer] is None:
             b, hkv, _, d = k.shape
