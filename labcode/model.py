@@ -133,8 +133,8 @@ class GPT(nn.Module):
         A decode step multiplies one row by each weight matrix, so it runs at the speed the
         weights stream from memory. For wide matrices (the tied head above all) the BLAS
         product reads W^T stored contiguously markedly faster than W stored row by row.
-        Shapes, values and the state_dict stay the same; small matrices, which stay in
-        cache, keep PyTorch's default layout (so the tiny model is untouched).
+        Shapes, values and the state_dict stay the same; square and tall matrices, and those under
+        `min_elements`, keep PyTorch's default layout (so the tiny model is untouched).
         """
         with torch.no_grad():
             for p in [self.tok_emb.weight] + [m.weight for m in self.modules() if isinstance(m, nn.Linear)]:
@@ -166,7 +166,11 @@ class GPT(nn.Module):
         b, t = ids.shape
         if b == 0 or t == 0:
             raise ValueError(f"ids: expected at least one token in each of at least one row, got {tuple(ids.shape)}")
-        lo, hi = int(ids.min()), int(ids.max())
+        if ids.numel() <= 4096:  # a decode step's few ids: one copy to Python beats two reductions
+            values = ids.flatten().tolist()
+            lo, hi = min(values), max(values)
+        else:
+            lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"ids: expected values in [0, {self.cfg.vocab_size}), got min {lo}, max {hi}")
         if positions is not None:
