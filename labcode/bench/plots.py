@@ -6,31 +6,43 @@ so a committed result file can be plotted again without running anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from labcode.bench.append import LABELS as APPEND_LABELS
 from labcode.bench.decode import LABELS as METHOD_LABELS
 
 US, MS = 1e6, 1e3
+VARIANT_COLORS = ("tab:orange", "tab:green", "tab:purple", "tab:brown")  # the floor plot's variants, in order
 
 
-def plot_append(values: dict) -> Figure:
-    """Per-step time of appending one position to every layer, against the cache length, one panel per setup."""
-    setups = values["append"]
-    fig, axes = plt.subplots(1, len(setups), figsize=(5.5 * len(setups), 4), squeeze=False)
-    for ax, (name, res) in zip(axes[0], setups.items(), strict=True):
-        for kind, ts in res["per_step_s"].items():
-            ax.plot(res["cache_length"], [t * US for t in ts], label=APPEND_LABELS.get(kind, kind), lw=1.2)
-        s = res["setup"]
-        ax.set(yscale="log", xlabel="keys cached after the step", ylabel="µs per decode step (all layers)",
-               title=f"{name}: L={s['n_layers']}, Hkv={s['n_kv_heads']}, D={s['head_dim']}, prefill {s['prefill']}")
+def _log_panels(runs: dict, draw: Callable[[Axes, str, dict], None]) -> Figure:
+    """One log-scale panel per run, filled by `draw(ax, name, run)`, and one legend right of the last."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
+    for ax, (name, run) in zip(axes[0], runs.items(), strict=True):
+        draw(ax, name, run)
+        ax.set(yscale="log")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     return fig
+
+
+def plot_append(values: dict) -> Figure:
+    """Per-step time of appending one position to every layer, against the cache length, one panel per setup."""
+
+    def draw(ax: Axes, name: str, res: dict) -> None:
+        for kind, ts in res["per_step_s"].items():
+            ax.plot(res["cache_length"], [t * US for t in ts], label=APPEND_LABELS.get(kind, kind), lw=1.2)
+        s = res["setup"]
+        ax.set(xlabel="keys cached after the step", ylabel="µs per decode step (all layers)",
+               title=f"{name}: L={s['n_layers']}, Hkv={s['n_kv_heads']}, D={s['head_dim']}, prefill {s['prefill']}")
+
+    return _log_panels(values["append"], draw)
 
 
 def plot_append_attention(values: dict) -> Figure:
@@ -54,18 +66,15 @@ def plot_append_attention(values: dict) -> Figure:
 
 def plot_generation(values: dict) -> Figure:
     """Per-call time of greedy generation against the context length, one panel per model preset."""
-    runs = values["generation"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
-    for ax, (preset, res) in zip(axes[0], runs.items(), strict=True):
+
+    def draw(ax: Axes, preset: str, res: dict) -> None:
         for m, ts in res["per_step_s"].items():
             style = {"lw": 2.0, "color": "black"} if m == "nocache" else {"lw": 1.0}
             ax.plot(res["positions"][1:], [t * MS for t in ts[1:]], label=METHOD_LABELS.get(m, m), **style)
-        ax.set(yscale="log", xlabel="tokens in the context", ylabel="ms per generated token",
+        ax.set(xlabel="tokens in the context", ylabel="ms per generated token",
                title=f"{preset}: prompt {res['prompt_len']}, {res['new_tokens']} new tokens")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    return fig
+
+    return _log_panels(values["generation"], draw)
 
 
 def plot_speedup(values: dict) -> Figure:
@@ -93,13 +102,13 @@ def plot_floor(values: dict, target: float = 1.3) -> Figure:
     for col, (suffix, clock) in enumerate(clocks):
         top, bottom = axes[0][col], axes[1][col]
         top.plot(x, [t * MS for t in res[f"step{suffix}_s"]], "o-", label="measured decode step")
-        for name, var in res.get("variants", {}).items():
-            top.plot(x, [t * MS for t in var[f"step{suffix}_s"]], "x:", label=f"same model, {name}")
+        for (name, var), color in zip(res.get("variants", {}).items(), VARIANT_COLORS, strict=False):
+            top.plot(x, [t * MS for t in var[f"step{suffix}_s"]], "x:", color=color, label=f"same model, {name}")
         top.plot(x, [t * MS for t in res[f"floor{suffix}_s"]], "s--", color="black", label="floor: bytes / bandwidth")
         top.set(ylabel="ms per step", ylim=(0, None), title=f"{res.get('preset', '')} decode, {clock}")
         bottom.plot(x, res[f"ratio{suffix}"], "o-", color="tab:blue", label="model")
-        for name, var in res.get("variants", {}).items():
-            bottom.plot(x, var[f"ratio{suffix}"], "x:", color="tab:orange", label=name)
+        for (name, var), color in zip(res.get("variants", {}).items(), VARIANT_COLORS, strict=False):
+            bottom.plot(x, var[f"ratio{suffix}"], "x:", color=color, label=name)
         bottom.axhline(target, color="tab:red", ls="--", label=f"target {target}x")
         bottom.axhline(1.0, color="gray", lw=0.8)
         bottom.set(xlabel="position of the new token", ylabel="measured / floor", ylim=(0.8, None))
