@@ -1,9 +1,15 @@
 """QA result files: one JSON document per QA notebook, written atomically.
 
 Introduced in the verification report. A document holds the schema version, the
-parameters, the environment, measured values and a list of checks (claim, value,
-tolerance, comparison, passed), with an overall `passed`. `qa/results.schema.json`
-describes the format.
+parameters, the environment, measured values, each with the rule a regenerated value is
+compared by, and a list of checks (claim, value, tolerance, comparison, passed), with an
+overall `passed`. `qa/results.schema.json` describes the format.
+
+The rules (`exact`, `close`, `recorded`) are chosen where a value is written, from what it
+is: counts, ids and verdicts are exact; a float is only as stable as the dtype and the
+computation that made it (`float_rule`); a rounding-level difference is the same claim on
+every machine as long as it stays below its bound (`rounding_rule`); timings and machine
+facts are recorded, never compared.
 """
 
 from __future__ import annotations
@@ -12,13 +18,14 @@ import json
 import math
 import os
 import platform
+import subprocess
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 COMPARISONS = {
     "<=": lambda value, tol: value <= tol,
     ">=": lambda value, tol: value >= tol,
@@ -28,13 +35,81 @@ COMPARISONS = {
 }
 
 
+# -- comparison rules: how a regenerated value is compared with the committed one ----------------
+
+def exact() -> dict:
+    """Counts, ids, shapes, flags, strings, and floats that exact arithmetic produced: equal, digit for digit."""
+    return {"compare": "exact"}
+
+
+def close(*, abs_tol: float = 0.0, rel_tol: float = 0.0) -> dict:
+    """Floats equal within `abs_tol` or `rel_tol` (as `math.isclose`); integers, flags and strings inside stay exact."""
+    if not (abs_tol >= 0 and rel_tol >= 0 and abs_tol + rel_tol > 0):
+        raise ValueError(f"abs_tol, rel_tol: expected >= 0 and not both 0, got {abs_tol}, {rel_tol}")
+    return {"compare": "close", "abs": abs_tol, "rel": rel_tol}
+
+
+def recorded(why: str) -> dict:
+    """Never compared: timings and facts about the machine. `why` says which."""
+    if not why:
+        raise ValueError("why: expected the reason the value is not compared, got ''")
+    return {"compare": "recorded", "why": why}
+
+
+# How far a value's digits move between CPUs' vector kernels and thread counts, relative to its size,
+# for a value that is not itself rounding noise (a logit difference of 2.9, an error of 0.09). In float64
+# the summation order moves the 15th or 16th digit, and a difference of two logits can lose a few more;
+# in float32 a quantised cache's codes can flip where x / scale lands within rounding of a half
+# (measured: 3e-5 relative between kernel sets), so the float32 rule leaves a factor 30 of room.
+REL_TOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def float_rule(dtype: torch.dtype | str) -> dict:
+    """The rule for a float computed in `dtype`: relative tolerance `REL_TOL[dtype]`."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in REL_TOL:
+        raise ValueError(f"dtype: expected one of {sorted(map(str, REL_TOL))}, got {dtype}")
+    return close(rel_tol=REL_TOL[dtype])
+
+
+def rounding_rule(bound: float) -> dict:
+    """The rule for a rounding-level difference held to `bound`: any two values at or below the bound
+    are the same claim ("equal up to rounding"), whatever their digits."""
+    return close(abs_tol=bound)
+
+
+# -- the machine ---------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """The CPU's marketing name (Linux: /proc/cpuinfo; macOS: sysctl), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                 timeout=5)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def environment() -> dict:
-    """What the numbers were measured on (recorded, never compared)."""
+    """What the numbers were measured on (recorded, never compared). `cpu_capability` is the set of
+    vector kernels PyTorch dispatches to (DEFAULT, AVX2, AVX512, ...); float digits depend on it."""
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
         "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
     }
@@ -81,13 +156,18 @@ class QAResult:
             "parameters": _plain(parameters),
             "environment": environment(),
             "values": {},
+            "rules": {},
             "checks": [],
             "passed": True,
         }
 
-    def value(self, key: str, value) -> None:
-        """Record a measured value under `key`."""
+    def value(self, key: str, value, rule: dict) -> None:
+        """Record a measured value under `key`, with the rule a regenerated value is compared by
+        (`exact()`, `close(...)`, `float_rule(dtype)`, `rounding_rule(bound)` or `recorded(why)`)."""
+        if not (isinstance(rule, dict) and rule.get("compare") in ("exact", "close", "recorded")):
+            raise ValueError(f"rule: expected exact(), close(...) or recorded(...), got {rule!r}")
         self.doc["values"][key] = _plain(value)
+        self.doc["rules"][key] = dict(rule)
 
     def check(self, name: str, claim: str, value, tolerance, comparison: str = "<=") -> bool:
         """Record whether `value <comparison> tolerance` holds, with the claim it supports."""
@@ -107,9 +187,8 @@ class QAResult:
         return passed
 
     def report(self) -> str:
-        """One line per check: verdict, name, measured value, comparison and tolerance (values to 2 digits)."""
-        return "\n".join(f"{'pass' if c['passed'] else 'FAIL'}  {c['name']}: {fmt(c['value'])} {c['comparison']} "
-                         f"{fmt(c['tolerance'])}" for c in self.doc["checks"])
+        """One line per check: verdict, name and measured value as `shown` prints it (the same on every machine)."""
+        return "\n".join(f"{'pass' if c['passed'] else 'FAIL'}  {c['name']}: {shown(c)}" for c in self.doc["checks"])
 
     def write(self, path: str | Path) -> Path:
         """Write atomically, then raise AssertionError if any check failed (a failed QA run exits non-zero)."""
@@ -154,8 +233,33 @@ def schema_errors(document: dict) -> list[str]:
         root = repo_root()
     schema = json.loads((root / "qa" / "results.schema.json").read_text())
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
-    return [f"{'/'.join(map(str, e.absolute_path)) or '(document)'}: {e.message}"
-            for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))]
+    errors = [f"{'/'.join(map(str, e.absolute_path)) or '(document)'}: {e.message}"
+              for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))]
+    values, rules = document.get("values"), document.get("rules")
+    if isinstance(values, dict) and isinstance(rules, dict) and set(values) != set(rules):
+        errors.append(f"rules: expected one rule per value, got values without a rule {sorted(set(values) - set(rules))} "
+                      f"and rules without a value {sorted(set(rules) - set(values))}")
+    return errors
+
+
+# The largest tolerance this course calls "rounding": float32 logits are held to 1e-4, float64 to 1e-12.
+ROUNDING_BOUND = 1e-4
+
+
+def shown(check: dict) -> str:
+    """A check's measured value as a page prints it, the same on every machine.
+
+    A passed rounding-level claim (a `<=` or `<` bound of at most `ROUNDING_BOUND`) prints as the
+    claim, "<= 1e-12 (rounding)", since its digits depend on the CPU; anything else prints as
+    `fmt` does, followed by the comparison. The exact value stays in the result file.
+    """
+    value, tol, comparison = check["value"], check["tolerance"], check["comparison"]
+    is_float = isinstance(value, float) or (isinstance(value, list) and all(isinstance(v, float) for v in value))
+    rounding = (comparison in ("<=", "<") and isinstance(tol, (int, float)) and not isinstance(tol, bool)
+                and 0 < tol <= ROUNDING_BOUND)
+    if is_float and rounding and check["passed"]:
+        return f"{comparison} {fmt(tol)} (rounding)"
+    return f"{fmt(value)} {comparison} {fmt(tol)}"
 
 
 def fmt(value, digits: int = 2) -> str:

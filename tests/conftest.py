@@ -1,8 +1,12 @@
 """Shared fixtures: one clean book build per test session, a local web server for it, and the
 Chromium that the browser tests drive.
 
-The book is built once, from scratch, into `_build/test-book` inside the repository, with every
-notebook executed and warnings as errors. Set KVCV_REUSE_BOOK=1 to reuse an existing build there
+Every notebook is executed once per test session, by nbval, which compares each cell's output with
+the committed one. The session keeps those executions (`_build/test-executed`), and the book is then
+built from them, from scratch into `_build/test-book`, with warnings as errors: the pages show
+exactly what nbval executed and checked, and no notebook runs twice. A notebook that nbval did not
+run in this session (a partial run, or a cell that failed) is executed by the book build itself.
+nbval's items run first for this reason. Set KVCV_REUSE_BOOK=1 to reuse an existing build there
 while working on the tests themselves (never in CI).
 """
 
@@ -19,11 +23,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import nbformat
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK_OUT = ROOT / "_build" / "test-book"
+EXECUTED = ROOT / "_build" / "test-executed"  # notebooks as nbval executed them in this session
+STAGE = ROOT / "_build" / "test-source"  # the book's sources, with those executions in place
+# The portability pass (tests/test_portability.py) runs nbval again under other CPU kernels; its
+# executions are checked, never published.
+CAPTURE = os.environ.get("KVCV_PORTABILITY") != "1"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
@@ -69,6 +79,74 @@ def _jupyter_book() -> Path:
     return exe if exe.exists() else ROOT / ".venv" / "bin" / "jupyter-book"
 
 
+# -- nbval's executions, kept for the book --------------------------------------------------------
+
+def _is_nbval_cell(item) -> bool:
+    return type(item).__name__ == "IPyNbCell"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Notebook cells first, so that the book, built later in the session, is made of their executions."""
+    items[:] = [i for i in items if _is_nbval_cell(i)] + [i for i in items if not _is_nbval_cell(i)]
+    if CAPTURE:
+        shutil.rmtree(EXECUTED, ignore_errors=True)
+        _runs.clear()
+
+
+_runs: dict[Path, dict[int, list | None]] = {}  # notebook -> code cell number -> outputs (None: failed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    outcome = yield
+    if not (CAPTURE and _is_nbval_cell(item)):
+        return
+    path = Path(str(item.fspath)).resolve()
+    cells = _runs.setdefault(path, {})
+    cells[item.cell_num] = None if outcome.excinfo is not None or item.test_outputs is None else item.test_outputs
+    n_code = sum(c.cell_type == "code" for c in item.parent.nb.cells)
+    if len(cells) == n_code and all(v is not None for v in cells.values()):
+        _write_executed(path, item.parent.nb, cells)
+
+
+def _write_executed(path: Path, nb, outputs: dict[int, list]) -> None:
+    """The notebook with every code cell's outputs replaced by what this session's execution printed."""
+    nb = nbformat.from_dict(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for number, cell in enumerate(code):
+        cell.outputs = [nbformat.from_dict(o) for o in outputs[number]]
+        cell.execution_count = number + 1
+        for out in cell.outputs:
+            if out.output_type == "execute_result":
+                out.execution_count = number + 1
+    target = EXECUTED / path.relative_to(ROOT)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(target))
+
+
+def _stage_sources() -> list[str]:
+    """Copy the book's sources to STAGE with this session's executions in place; return the notebooks
+    (relative paths) that still need executing because nbval did not run them whole in this session."""
+    shutil.rmtree(STAGE, ignore_errors=True)
+    skip = {".git", ".venv", "venv", "_build", "test-artifacts", "_runs", "__pycache__", ".ipynb_checkpoints"}
+    shutil.copytree(ROOT, STAGE, ignore=lambda folder, names: [n for n in names if n in skip])
+    pending = []
+    for doc in toc_files():
+        source = ROOT / f"{doc}.ipynb"
+        if not source.exists():
+            continue
+        executed = EXECUTED / f"{doc}.ipynb"
+        if executed.exists():
+            shutil.copyfile(executed, STAGE / f"{doc}.ipynb")
+        else:
+            pending.append(f"{doc}.ipynb")
+    config = yaml.safe_load((STAGE / "_config.yml").read_text())
+    executed_docs = [f"{doc}.ipynb" for doc in toc_files() if (EXECUTED / f"{doc}.ipynb").exists()]
+    config["execute"]["exclude_patterns"] = executed_docs  # already executed, by nbval, in this session
+    (STAGE / "_config.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return pending
+
+
 @pytest.fixture(scope="session")
 def book_build() -> BookBuild:
     """Build the book from scratch once per session (or reuse one with KVCV_REUSE_BOOK=1)."""
@@ -76,12 +154,14 @@ def book_build() -> BookBuild:
     if os.environ.get("KVCV_REUSE_BOOK") == "1" and (html / "index.html").exists():
         return BookBuild(0, "(reused an existing build)", html, 0.0)
     shutil.rmtree(BOOK_OUT, ignore_errors=True)
+    pending = _stage_sources()
     env = dict(os.environ)
     env.pop("MPLBACKEND", None)  # a non-interactive backend would drop every figure
-    cmd = [str(_jupyter_book()), "build", str(ROOT), "-W", "--keep-going", "--path-output", str(BOOK_OUT)]
+    cmd = [str(_jupyter_book()), "build", str(STAGE), "-W", "--keep-going", "--path-output", str(BOOK_OUT)]
     start = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    return BookBuild(out.returncode, out.stdout + out.stderr, html, time.perf_counter() - start)
+    out = subprocess.run(cmd, cwd=STAGE, env=env, capture_output=True, text=True)
+    note = f"executed by the build (nbval did not run them whole): {pending}\n" if pending else ""
+    return BookBuild(out.returncode, note + out.stdout + out.stderr, html, time.perf_counter() - start)
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,11 @@ so the committed results are never overwritten. A QA run that fails a check exit
 fails the test. The regenerated file must then match the committed one:
 
 - the same checks in the same order, with the same claims, comparisons and tolerances, and
-  identical verdicts;
-- every check value and every recorded value within the stated tolerances: integers, booleans and
-  strings exactly; floats with relative tolerance `REL_TOL`, or absolute tolerance the document's
-  rounding tolerance (the smallest tolerance of its `<=` checks: two values that the document
-  itself would call equal to rounding are not told apart);
-- timings (value keys named like `*_seconds`, `*_s`, `timing*`) are never compared.
+  identical verdicts (a check is compared by its verdict, not by its digits);
+- the same value keys with the same rules, and every value equal under the rule the QA notebook
+  declared when it wrote it (`labcode.results`: `exact`, `close` with its own absolute and relative
+  tolerance, or `recorded`, never compared); inside a `close` value, integers, booleans and strings
+  are still compared exactly.
 
 Result files that no QA notebook writes are recorded benchmarks (`machine_dependent: true`, for
 example `bench.json` from `python -m labcode.bench --full`): they are validated against the schema
@@ -28,12 +27,11 @@ from __future__ import annotations
 import ast
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 
-from labcode.results import resolve_output, schema_errors
+from labcode.results import close, exact, recorded, resolve_output, schema_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 QA = ROOT / "qa"
@@ -41,8 +39,6 @@ QA_NOTEBOOKS = sorted(p for p in QA.glob("*.ipynb") if p.stem != "verdicts")
 ALL_COMMITTED = sorted((QA / "results").glob("*.json"))
 COMMITTED = [p for p in ALL_COMMITTED if (QA / f"{json.loads(p.read_text())['name']}.ipynb").exists()]
 RECORDED = [p for p in ALL_COMMITTED if p not in COMMITTED]  # benchmarks: recorded, never regenerated here
-REL_TOL = 1e-6
-TIMING = re.compile(r"(_seconds|_s|^timing.*)$")
 
 
 def load(path: Path) -> dict:
@@ -61,33 +57,31 @@ def parameters_cell(notebook: Path) -> dict:
 
 # -- comparing a regenerated document with the committed one -------------------------------------
 
-def rounding_tolerance(doc: dict) -> float:
-    """The smallest tolerance of the document's `<=` checks on numbers (0 if it has none)."""
-    tols = [c["tolerance"] for c in doc["checks"] if c["comparison"] in ("<=", "<")
-            and isinstance(c["tolerance"], (int, float)) and not isinstance(c["tolerance"], bool)]
-    return min(tols, default=0.0)
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def differences(new, old, path: str, abs_tol: float) -> list[str]:
-    """Where `new` and `old` (JSON values) differ beyond the tolerances; [] when they agree."""
-    if isinstance(old, bool) or isinstance(new, bool) or isinstance(old, str) or old is None:
-        return [] if new == old and type(new) is type(old) else [f"{path}: {new!r} != committed {old!r}"]
-    if isinstance(old, int) and isinstance(new, int):
-        return [] if new == old else [f"{path}: {new} != committed {old}"]
-    if isinstance(old, (int, float)) and isinstance(new, (int, float)):
-        ok = math.isclose(new, old, rel_tol=REL_TOL, abs_tol=abs_tol)
-        return [] if ok else [f"{path}: {new!r} differs from committed {old!r} (rel {REL_TOL:g}, abs {abs_tol:g})"]
+def differences(new, old, path: str, rule: dict) -> list[str]:
+    """Where `new` and `old` (JSON values) differ under `rule`; [] when they agree."""
+    if rule["compare"] == "recorded":
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        if set(new) != set(old):
+            return [f"{path}: keys {sorted(set(new) ^ set(old))} added or missing"]
+        return [d for k in old for d in differences(new[k], old[k], f"{path}.{k}", rule)]
     if isinstance(old, list) and isinstance(new, list):
         if len(new) != len(old):
             return [f"{path}: length {len(new)} != committed {len(old)}"]
-        pairs = enumerate(zip(new, old, strict=True))
-        return [d for i, (a, b) in pairs for d in differences(a, b, f"{path}[{i}]", abs_tol)]
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys, new_keys = [k for k in old if not TIMING.search(k)], {k for k in new if not TIMING.search(k)}
-        if set(keys) != new_keys:
-            return [f"{path}: keys {sorted(set(keys) ^ new_keys)} added or missing"]
-        return [d for k in keys for d in differences(new[k], old[k], f"{path}.{k}", abs_tol)]
-    return [f"{path}: type {type(new).__name__} != committed {type(old).__name__}"]
+        return [d for i, (a, b) in enumerate(zip(new, old, strict=True))
+                for d in differences(a, b, f"{path}[{i}]", rule)]
+    floats = _number(old) and _number(new) and (isinstance(old, float) or isinstance(new, float))
+    if floats and rule["compare"] == "close":
+        if math.isclose(new, old, rel_tol=rule["rel"], abs_tol=rule["abs"]):
+            return []
+        return [f"{path}: {new!r} differs from committed {old!r} (rel {rule['rel']:g}, abs {rule['abs']:g})"]
+    if new == old and type(new) is type(old):
+        return []
+    return [f"{path}: {new!r} != committed {old!r} (compared exactly)"]
 
 
 def compare(new: dict, old: dict) -> list[str]:
@@ -99,14 +93,18 @@ def compare(new: dict, old: dict) -> list[str]:
     names_new, names_old = [c["name"] for c in new["checks"]], [c["name"] for c in old["checks"]]
     if names_new != names_old:
         return found + [f"checks: {names_new} != committed {names_old}"]
-    abs_tol = rounding_tolerance(old)
     for a, b in zip(new["checks"], old["checks"], strict=True):
         for key in ("claim", "comparison", "tolerance", "passed"):
             if a[key] != b[key]:
                 found.append(f"check {b['name']}: {key} {a[key]!r} != committed {b[key]!r}")
-        tol = b["tolerance"] if b["comparison"] in ("<=", "<") and isinstance(b["tolerance"], float) else abs_tol
-        found += differences(a["value"], b["value"], f"check {b['name']}: value", tol)
-    found += differences(new["values"], old["values"], "values", abs_tol)
+    if set(new["values"]) != set(old["values"]):
+        return found + [f"values: keys {sorted(set(new['values']) ^ set(old['values']))} added or missing"]
+    for key, old_value in old["values"].items():
+        rule = old["rules"][key]
+        if new["rules"][key] != rule:
+            found.append(f"values.{key}: rule {new['rules'][key]} != committed {rule}")
+            continue
+        found += differences(new["values"][key], old_value, f"values.{key}", rule)
     if new["passed"] != old["passed"]:
         found.append(f"passed: {new['passed']} != committed {old['passed']}")
     return found
@@ -185,28 +183,40 @@ def test_regenerated_result_matches_committed(path, tmp_path):
 # -- the comparison itself can fail ----------------------------------------------------------------
 
 def _doc(value=4.4e-16, passed=True, big=2.9, tokens=17) -> dict:
-    return {"schema_version": 1, "name": "x", "parameters": {"dtype": "float64"}, "passed": passed,
-            "values": {"diff": value, "counter": [big, 0.5], "window": tokens, "wall_seconds": 3.0},
+    return {"schema_version": 2, "name": "x", "parameters": {"dtype": "float64"}, "passed": passed,
+            "values": {"diff": value, "counter": [big, 0.5], "window": tokens, "wall_seconds": 3.0,
+                       "mixed": {"rows": 6, "err": 0.0925, "reason": "context_length"}},
+            "rules": {"diff": close(abs_tol=1e-12), "counter": close(rel_tol=1e-9), "window": exact(),
+                      "wall_seconds": recorded("a timing"), "mixed": close(rel_tol=1e-3)},
             "checks": [{"name": "eq", "claim": "equal", "value": value, "tolerance": 1e-12, "comparison": "<=",
                         "passed": passed},
                        {"name": "far", "claim": "different", "value": big, "tolerance": 1e-3, "comparison": ">",
                         "passed": True}]}
 
 
-def test_comparison_accepts_rounding_and_timings():
+def test_comparison_accepts_rounding_timings_and_declared_tolerances():
     new = _doc(value=6.7e-16)
+    new["checks"][1]["value"] = 3.1  # a check is compared by its verdict, not by its digits
     new["values"]["wall_seconds"] = 99.0
+    new["values"]["counter"][1] = 0.5 * (1 + 1e-12)
+    new["values"]["mixed"]["err"] = 0.09251  # within rel 1e-3
     assert compare(new, _doc()) == []
 
 
 @pytest.mark.parametrize("change,expected", [
     (lambda d: d["checks"][0].update(passed=False), "passed"),
-    (lambda d: d["checks"][1].update(value=3.1), "far"),
     (lambda d: d["checks"][0].update(tolerance=1e-6), "tolerance"),
+    (lambda d: d["checks"][1].update(claim="similar"), "claim"),
     (lambda d: d["checks"].pop(), "checks"),
     (lambda d: d["values"].update(window=16), "values.window"),
+    (lambda d: d["values"].update(window=17.0), "values.window"),
     (lambda d: d["values"]["counter"].__setitem__(0, 2.91), "values.counter[0]"),
     (lambda d: d["values"].update(diff=1e-10), "values.diff"),
+    (lambda d: d["values"]["mixed"].update(rows=7), "values.mixed.rows"),
+    (lambda d: d["values"]["mixed"].update(err=0.0935), "values.mixed.err"),
+    (lambda d: d["values"]["mixed"].update(reason="max_new_tokens"), "values.mixed.reason"),
+    (lambda d: d["values"].pop("window"), "values: keys"),
+    (lambda d: d["rules"].update(diff=close(abs_tol=1e-6)), "rule"),
     (lambda d: d["parameters"].update(dtype="float32"), "parameters"),
 ])
 def test_comparison_rejects_real_differences(change, expected):

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
-from labcode.results import QAResult, schema_errors, write_json_atomic
+from labcode.results import QAResult, close, exact, float_rule, recorded, rounding_rule, schema_errors, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "qa" / "results.schema.json").read_text())
@@ -36,7 +37,9 @@ def test_committed_result_follows_the_schema(path):
 
 def _fresh(tmp_path: Path) -> dict:
     qa = QAResult("demo", {"dtype": "float64", "n": 3})
-    qa.value("diffs", [1e-16, 2.5])
+    qa.value("diffs", [1e-16, 2.5], close(abs_tol=1e-12))
+    qa.value("count", 3, exact())
+    qa.value("wall_s", 0.25, recorded("a timing"))
     qa.check("demo/eq", "equal to rounding", 4e-16, 1e-12)
     qa.check("demo/bool", "a yes/no claim", True, True, "==")
     return json.loads(qa.write(tmp_path / "demo.json").read_text())
@@ -52,7 +55,12 @@ def test_what_the_writer_writes_follows_the_schema(tmp_path):
     (lambda d: d["checks"][1].pop("claim"), "'claim' is a required property"),
     (lambda d: d.update(passed="yes"), "passed"),
     (lambda d: d.update(extra=1), "Additional properties"),
-    (lambda d: d.update(schema_version=2), "schema_version"),
+    (lambda d: d.update(schema_version=1), "schema_version"),
+    (lambda d: d.pop("rules"), "'rules' is a required property"),
+    (lambda d: d["rules"].pop("count"), "one rule per value"),
+    (lambda d: d["rules"].update(count={"compare": "roughly"}), "rules/count"),
+    (lambda d: d["rules"].update(count={"compare": "close", "abs": -1, "rel": 0}), "rules/count"),
+    (lambda d: d["environment"].pop("cpu_capability"), "'cpu_capability' is a required property"),
     (lambda d: d.update(created="yesterday"), "created"),
     (lambda d: d["environment"].update(torch_threads=0), "environment/torch_threads"),
 ])
@@ -81,3 +89,24 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
         write_json_atomic(path, {"new": object()})  # fails halfway through json.dump
     assert json.loads(path.read_text()) == {"old": True}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_values_need_a_rule_and_rules_are_well_formed():
+    qa = QAResult("demo", {})
+    with pytest.raises(TypeError):
+        qa.value("x", 1.0)  # no rule: a value must say how it is compared
+    with pytest.raises(ValueError, match="rule"):
+        qa.value("x", 1.0, {"compare": "roughly"})
+    with pytest.raises(ValueError, match="abs_tol, rel_tol"):
+        close()
+    with pytest.raises(ValueError, match="why"):
+        recorded("")
+    with pytest.raises(ValueError, match="dtype"):
+        float_rule(torch.int64)
+    assert float_rule("float64") == close(rel_tol=1e-9) and float_rule(torch.float32)["rel"] > 1e-6
+    assert rounding_rule(1e-12) == close(abs_tol=1e-12)
+
+
+def test_the_environment_names_the_cpu_and_its_kernels():
+    env = QAResult("demo", {}).doc["environment"]
+    assert env["cpu"] and env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -1,0 +1,69 @@
+"""How the notebooks show results: tables, differences, claims and glued numbers.
+
+Used by every chapter. Committed notebook outputs are compared on every CI run, on machines
+whose CPUs round float32 (and even float64 at 1e-14) differently, so what a notebook prints must
+be the same everywhere: counts and ids exactly, a rounding-level difference as the claim it
+supports (`claim`), other floats only to the digits their sentence needs.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+import torch
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute elementwise difference of two tensors, computed in float64."""
+    return (a.double() - b.double()).abs().max().item()
+
+
+def claim(value: float, bound: float, what: str = "rounding") -> str:
+    """The claim a rounding-level `value` supports, "≤ 1e-12 (rounding)"; raises AssertionError if it fails.
+
+    Its digits depend on the CPU, so a page shows the bound it is held to; the exact value
+    belongs in a result file or in a hidden cell.
+    """
+    assert value <= bound, f"{what}: expected at most {bound:g}, got {value!r}"
+    return f"≤ {bound:.0e} ({what})".replace("e-0", "e-")
+
+
+def sig(value: float, digits: int = 3) -> str:
+    """`value` to `digits` significant digits, without a trailing '.0' for whole numbers."""
+    if value == 0 or not math.isfinite(value):
+        return str(value)
+    text = f"{value:.{digits}g}"
+    return text[:-2] if text.endswith(".0") else text
+
+
+def glue(name: str, value, display: bool = False) -> None:
+    """myst-nb's `glue`, hidden by default: the page inserts `value` where the text says {glue:text}`name`.
+
+    Glued values are compared by nbval like any output, so glue counts, ids and claims as they are,
+    and a measured float rounded to the digits the sentence needs (`sig`).
+    """
+    from myst_nb import glue as myst_glue  # imported here: only notebooks glue
+
+    myst_glue(name, value, display=display)
+
+
+def show_table(header: list[str], rows: list[list], align: str | None = None) -> None:
+    """Show a table: HTML in the book, aligned plain text in the notebook's saved output.
+
+    `align` has one letter per column, "l" or "r" (default: numbers right, text left).
+    """
+    from IPython.display import display
+
+    columns = list(zip(header, *rows, strict=True))
+    if align is None:
+        align = "".join("r" if all(isinstance(x, (int, float)) for x in col[1:]) else "l" for col in columns)
+    widths = [max(len(str(x)) for x in col) for col in columns]
+    pad = lambda x, w, a: str(x).rjust(w) if a == "r" else str(x).ljust(w)  # noqa: E731
+    text = "\n".join("  ".join(pad(x, w, a) for x, w, a in zip(r, widths, align, strict=True)).rstrip()
+                     for r in [header, *rows])
+    cell = lambda x, tag, a: f'<{tag} class="kvcv-{a}">{html.escape(str(x))}</{tag}>'  # noqa: E731
+    head = "".join(cell(h, "th", a) for h, a in zip(header, align, strict=True))
+    body = "".join("<tr>" + "".join(cell(x, "td", a) for x, a in zip(r, align, strict=True)) + "</tr>" for r in rows)
+    table = f'<table class="table kvcv-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    display({"text/html": f'<div class="kvcv-table-wrap">{table}</div>', "text/plain": text}, raw=True)
