@@ -64,12 +64,14 @@ def recorded(why: str) -> dict:
 REL_TOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def float_rule(dtype: torch.dtype | str) -> dict:
-    """The rule for a float computed in `dtype`: relative tolerance `REL_TOL[dtype]`."""
+def float_rule(dtype: torch.dtype | str, rounding: float = 0.0) -> dict:
+    """The rule for floats computed in `dtype`: relative tolerance `REL_TOL[dtype]`; with `rounding`, values
+    that are rounding noise (at most that bound, like the logit differences of an exact cache) compare
+    equal too, so one rule serves a list that holds both kinds."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if dtype not in REL_TOL:
         raise ValueError(f"dtype: expected one of {sorted(map(str, REL_TOL))}, got {dtype}")
-    return close(rel_tol=REL_TOL[dtype])
+    return close(abs_tol=rounding, rel_tol=REL_TOL[dtype])
 
 
 def rounding_rule(bound: float) -> dict:
