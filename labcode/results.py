@@ -239,13 +239,15 @@ def schema_errors(document: dict) -> list[str]:
               for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))]
     values, rules = document.get("values"), document.get("rules")
     if isinstance(values, dict) and isinstance(rules, dict) and set(values) != set(rules):
-        errors.append(f"rules: expected one rule per value, got values without a rule {sorted(set(values) - set(rules))} "
-                      f"and rules without a value {sorted(set(rules) - set(values))}")
+        unruled, orphans = sorted(set(values) - set(rules)), sorted(set(rules) - set(values))
+        errors.append(f"rules: expected one rule per value, got values without a rule {unruled} "
+                      f"and rules without a value {orphans}")
     return errors
 
 
-# The largest tolerance this course calls "rounding": float32 logits are held to 1e-4, float64 to 1e-12.
-ROUNDING_BOUND = 1e-4
+# The largest tolerance this course calls "rounding": float64 logits are held to 1e-12, float32 ones to 1e-4
+# (1e-3 for a 124M-parameter model in the benchmark record).
+ROUNDING_BOUND = 1e-3
 
 
 def shown(check: dict) -> str:
