@@ -80,6 +80,7 @@ def test_page_loads_cleanly_with_maths_and_images(page: Page, book_server, doc):
     )
     assert not broken, f"{doc}: images that did not load: {broken}"
     watch.assert_clean(doc)
+    measure(page, doc)  # for the layout tests below, while the page is open
 
 
 def test_maths_is_typeset_on_the_explorer_page(page: Page, book_server):
@@ -138,6 +139,251 @@ def test_solutions_are_hidden_until_clicked(page: Page, book_server):
             opened += 1
         watch.assert_clean(doc)
     assert opened >= 1, "no chapter has an exercise solution in a dropdown"
+
+
+# ---- everything fits: code, outputs, tables and equations; figures with alt text and captions ----
+
+DESKTOP, PHONE = 1280, 390
+
+# One pass over a page's article: every code block, output, table and equation that is wider than
+# the box that holds it, and how that box deals with it. A box that clips it fails; a box that
+# scrolls sideways passes only if it shows that it does (the scroll shadows of book/_static/kvcv.css:
+# phones hide scrollbars until touched) and, with `mustFit` (the desktop width), only if it is not a
+# notebook code cell or a table, which must fit the column outright. Whatever is left must lie
+# inside the text column.
+OVERFLOW_JS = r"""
+(mustFitOnThisScreen) => {
+  const article = document.querySelector("article.bd-article");
+  if (!article) return [];
+  const px = (v) => parseFloat(v) || 0;
+  const acs = getComputedStyle(article);
+  const ar = article.getBoundingClientRect();
+  const colLeft = ar.left + px(acs.borderLeftWidth) + px(acs.paddingLeft);
+  const colRight = ar.right - px(acs.borderRightWidth) - px(acs.paddingRight);
+  const KINDS = [
+    ["code", "div.cell_input pre"],
+    ["code", "pre:not(div.cell_input pre, div.cell_output pre)"],
+    ["output", "div.cell_output pre, div.cell_output .output:not(:has(pre))"],
+    ["table", "table"],
+    ["equation", "mjx-container"],
+  ];
+  const tex = (e) => {
+    try { return window.MathJax.startup.document.getMathItemsWithin(e)[0].math; } catch (err) { return e.textContent; }
+  };
+  const describe = (kind, e) => {
+    const section = e.closest("section[id]");
+    const raw = kind === "equation" ? tex(e)
+      : kind === "table" ? [...e.querySelectorAll("th")].map((t) => t.textContent.trim()).join(" | ") || e.textContent
+      : e.textContent;
+    const text = raw.replace(/\s+/g, " ").trim();
+    const short = text.length > 70 ? text.slice(0, 70) + "..." : text;
+    return (section ? "#" + section.id + " " : "") + JSON.stringify(short);
+  };
+  const afforded = (n) => {
+    const cs = getComputedStyle(n);
+    return /gradient/.test(cs.backgroundImage) && /local/.test(cs.backgroundAttachment);
+  };
+  const found = [];
+  const seen = new Set();
+  for (const [kind, selector] of KINDS) {
+    for (const e of article.querySelectorAll(selector)) {
+      if (seen.has(e) || !e.getClientRects().length) continue; // counted already, or not shown (a closed dropdown)
+      seen.add(e);
+      const mustFit = mustFitOnThisScreen && (kind === "table" || (kind === "code" && e.closest("div.cell_input")));
+      const report = (problem, need, have) =>
+        found.push({ kind, where: describe(kind, e), problem, need: Math.round(need), have: Math.round(have) });
+      let right = null; // right edge of what the reader sees of e
+      let reported = false;
+      for (let n = e; n && n !== article; n = n.parentElement) {
+        const r = n.getBoundingClientRect();
+        const inner = r.left + n.clientLeft;
+        // MathJax's hidden MathML copy inflates scrollWidth: measure the typeset maths itself.
+        const typeset = n === e && kind === "equation" ? e.querySelector("mjx-math") : null;
+        const extent = typeset ? typeset.getBoundingClientRect().right + n.scrollLeft
+          : n === e ? inner + n.scrollWidth : right;
+        if (extent <= inner + n.clientWidth + 1) {
+          if (n === e) right = r.right;
+          continue;
+        }
+        const ox = getComputedStyle(n).overflowX;
+        if (ox === "hidden" || ox === "clip") {
+          report("is cut off", extent - inner, n.clientWidth);
+          reported = true;
+          break;
+        }
+        if (ox === "auto" || ox === "scroll") {
+          if (mustFit) report("scrolls sideways", extent - inner, n.clientWidth);
+          else if (!afforded(n)) report("scrolls with nothing to show that it does", extent - inner, n.clientWidth);
+          else { right = r.right; continue; }
+          reported = true;
+          break;
+        }
+        right = extent; // it spills out of n: compare with the next box up
+      }
+      if (!reported && right > colRight + 1) {
+        report("is wider than the text column", right - colLeft, colRight - colLeft);
+      }
+    }
+  }
+  return found;
+}
+"""
+
+# Every image in the article: its alt text and its figure caption (number and text).
+IMAGES_JS = r"""
+() => [...document.querySelectorAll("article.bd-article img")].map((img) => {
+  const figure = img.closest("figure");
+  const caption = figure ? figure.querySelector("figcaption") : null;
+  const number = caption ? caption.querySelector(".caption-number") : null;
+  const section = img.closest("section[id]");
+  return {
+    src: img.getAttribute("src") || "",
+    alt: img.getAttribute("alt"),
+    where: section ? "#" + section.id : "",
+    caption: caption ? caption.textContent.replace(/\s+/g, " ").replace(/#$/, "").trim() : null,
+    number: number ? number.textContent.trim() : null,
+  };
+})
+"""
+
+FIX_HINTS = {
+    "scrolls sideways": "format the notebook's code to 88 columns (ruff format), show tables with "
+    "labcode.display.show_table and keep them to what fits",
+    "is cut off": "something clips it: give its box overflow-x: auto with the kvcv-scroll class, or make it narrower",
+    "scrolls with nothing to show that it does": "give the scrolling box the kvcv-scroll class (book/_static/kvcv.css)",
+    "is wider than the text column": "make it narrower, or put it in a box with the kvcv-scroll class",
+}
+
+
+_MEASURED: dict[str, dict] = {}  # page -> what measure() found; filled by the first test that loads the page
+
+
+def measure(page: Page, doc: str) -> None:
+    """Measure a loaded page (maths typeset) at the desktop width and, resized without a second
+    load, at the phone width; keep what was found in _MEASURED for the tests below."""
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
+    found = {"images": page.evaluate(IMAGES_JS), DESKTOP: page.evaluate(OVERFLOW_JS, True)}
+    page.set_viewport_size({"width": PHONE, "height": 844})
+    found[PHONE] = page.evaluate(OVERFLOW_JS, False)
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
+    _MEASURED[doc] = found
+
+
+@pytest.fixture(scope="module")
+def measured_pages(browser, book_server) -> dict[str, dict]:
+    """Every page's measurements: test_page_loads_cleanly_with_maths_and_images takes them while it
+    has the page open; a page it did not measure (deselected, or failed) is loaded here."""
+    missing = [doc for doc in PAGES if doc not in _MEASURED]
+    if missing:
+        context = browser.new_context(viewport={"width": DESKTOP, "height": 900})
+        try:
+            page = context.new_page()
+            for doc in missing:
+                open_page(page, book_server, doc)
+                wait_for_maths(page)
+                measure(page, doc)
+        finally:
+            context.close()
+    return {doc: _MEASURED[doc] for doc in PAGES}
+
+
+@pytest.mark.parametrize("width", [DESKTOP, PHONE])
+def test_nothing_is_wider_than_its_column(measured_pages, width):
+    """At 1280 px notebook code and tables fit the column; at both widths no code, output, table or
+    equation is cut off, runs out of the column, or scrolls without showing that it does."""
+    lines, problems, pages = [], set(), 0
+    for doc, found in measured_pages.items():
+        if found[width]:
+            pages += 1
+            lines.append(f"{doc}.html")
+            for f in found[width]:
+                problems.add(f["problem"])
+                lines.append(f"  {f['kind']} {f['where']} {f['problem']}: needs {f['need']} px, has {f['have']} px")
+    n = sum(len(found[width]) for found in measured_pages.values())
+    hints = [f"  {p}: {FIX_HINTS[p]}" for p in sorted(problems)]
+    assert not n, (
+        f"at {width} px, {n} elements on {pages} pages do not fit their column:\n"
+        + "\n".join(lines)
+        + "\nto fix:\n"
+        + "\n".join(hints)
+    )
+
+
+def _alt_text_problem(image: dict) -> str | None:
+    alt = (image["alt"] or "").strip()
+    name = image["src"].rsplit("/", 1)[-1]
+    if not alt:
+        return "has no alt text"
+    if "/" in alt or alt.endswith(name) or re.search(r"\.(png|jpe?g|svg|gif|webp)$", alt, flags=re.I):
+        return "has its file path for alt text"
+    if len(alt.split()) < 4:
+        return f"has an alt text too short to describe a figure ({alt!r})"
+    return None
+
+
+def test_every_image_has_alt_text_and_a_numbered_caption(measured_pages):
+    """Every image on every page describes itself to a screen reader and carries a numbered caption
+    (myst-nb: cell metadata "mystnb": {"figure": {"caption", "name"}, "image": {"alt"}}, or glue:figure)."""
+    lines, total, bad = [], 0, 0
+    for doc, found in measured_pages.items():
+        page_lines = []
+        for image in found["images"]:
+            total += 1
+            problems = [p for p in [_alt_text_problem(image)] if p]
+            if image["caption"] is None:
+                problems.append("has no caption (no figure caption element)")
+            elif not image["number"]:
+                problems.append("has a caption without a number (give the figure a name)")
+            elif len(image["caption"]) <= len(image["number"]) + 2:
+                problems.append("has an empty caption")
+            if problems:
+                bad += 1
+                name = image["src"].rsplit("/", 1)[-1][:16]
+                page_lines.append(f"  image {name}... {image['where']}: " + "; ".join(problems))
+        if page_lines:
+            lines += [f"{doc}.html", *page_lines]
+    assert not bad, (
+        f"{bad} of {total} images lack a real alt text or a numbered caption:\n"
+        + "\n".join(lines)
+        + '\nto fix: cell metadata "mystnb": {"figure": {"caption": ..., "name": ...}, "image": {"alt": ...}} '
+        "(labcode.plotting.caption_metadata), or glue the figure and show it with {glue:figure} and :alt:"
+    )
+
+
+def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):
+    """The layout gives notebook code 88 columns at 1280 px (whatever today's notebooks hold), and a
+    wide table scrolls inside its wrapper, with its scroll shadows, on a phone."""
+    doc = CHAPTERS[0] if CHAPTERS else "book/running"
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
+    open_page(page, book_server, doc)
+    widths = page.evaluate(
+        """() => {
+            const pre = document.querySelector("div.cell_input pre") || document.querySelector("article pre");
+            const probe = document.createElement("span");
+            probe.textContent = "M".repeat(88);
+            pre.appendChild(probe);
+            const need = probe.getBoundingClientRect().width;
+            probe.remove();
+            const cs = getComputedStyle(pre);
+            return [need, pre.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight)];
+        }"""
+    )
+    assert widths[0] <= widths[1], f"88 columns of code need {widths[0]:.0f} px; a code cell has {widths[1]:.0f} px"
+
+    # A show_table table of twelve number columns, as labcode.display.show_table writes it.
+    header = "".join(f'<th class="kvcv-r">column {i}</th>' for i in range(12))
+    row = "".join(f'<td class="kvcv-r">{10**i:,}</td>' for i in range(12))
+    html = (f'<div class="kvcv-table-wrap"><table class="table kvcv-table"><thead><tr>{header}</tr></thead>'
+            f"<tbody><tr>{row}</tr></tbody></table></div>")
+    page.set_viewport_size({"width": PHONE, "height": 844})
+    page.evaluate("html => document.querySelector('article.bd-article h1').insertAdjacentHTML('afterend', html)", html)
+    wrap = page.evaluate(
+        """() => { const w = document.querySelector(".kvcv-table-wrap");
+                   return [w.scrollWidth, w.clientWidth, w.getBoundingClientRect().right, window.innerWidth]; }"""
+    )
+    assert wrap[0] > wrap[1] and wrap[2] <= wrap[3], f"the table does not scroll inside its wrapper: {wrap}"
+    problems = [f for f in page.evaluate(OVERFLOW_JS, False) if "column 0" in f["where"]]
+    assert not problems, problems
 
 
 # ---- the explorer ----------------------------------------------------------------------------
