@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import re
 from itertools import product
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
+import torch
 from conftest import toc_files
 from playwright.sync_api import Page
 
 from labcode.config import get_config
-from labcode.cost import kv_cache_bytes, kv_cache_elements, positions_computed
+from labcode.cost import kv_cache_bytes, kv_cache_elements, positions_computed, quantized_kv_cache_bytes
+from labcode.engines.quant import QuantizedCache
 from labcode.generate import new_token_budget
 
 PAGES = toc_files()
@@ -118,6 +120,28 @@ def test_search_finds_a_word_from_a_chapter(page: Page, book_server):
     hrefs = [urlsplit(h).path for h in results.evaluate_all("els => els.map(e => e.href)")]
     assert any(h.endswith(f"/{doc}.html") for h in hrefs), f"searching {term!r} did not find {doc}: {hrefs}"
     watch.assert_clean("search")
+
+
+def test_search_summaries_are_article_text_without_latex(page: Page, book_server):
+    """The passage under each search result comes from the article (not the toolbar or the page's
+    "Contents" sidebar) and shows maths as text, not LaTeX source (book/_static/kvcv.js)."""
+    watch = Watch(page)
+    outside = r"Contents\s+\d+\.\d+\.|Print to PDF|Download source|\.ipynb\s+\.pdf"
+    for term in ("cache", "softmax"):
+        page.goto(f"{book_server}search.html?q={term}", wait_until="load")
+        results = page.locator("#search-results ul.search li")
+        results.first.wait_for(timeout=20000)
+        n = results.count()
+        assert n >= 3, f"searching {term!r} found only {n} pages"
+        page.wait_for_function(
+            "n => document.querySelectorAll('#search-results ul.search li p.context').length >= n", arg=n, timeout=30000
+        )
+        summaries = results.locator("p.context").all_inner_texts()
+        latex = [t for t in summaries if re.search(r"\\[(\[]|\\[a-zA-Z]{2,}\{|\$\$", t)]
+        chrome = [t for t in summaries if re.search(outside, t)]
+        assert not latex, f"{term!r}: search summaries show LaTeX source: {latex[:3]}"
+        assert not chrome, f"{term!r}: search summaries show text from outside the article: {chrome[:3]}"
+    watch.assert_clean("search summaries")
 
 
 def test_solutions_are_hidden_until_clicked(page: Page, book_server):
@@ -423,6 +447,20 @@ def test_explorer_functions_match_labcode(page: Page, book_server):
     py = [[kv_cache_elements(n, b, t, h, d), kv_cache_bytes(n, b, t, h, d, s)] for n, b, t, h, d, s in grid]
     assert js == py
 
+    # int8: codes and one float32 scale per position and head (per group, with groups), as
+    # labcode.engines.quant.QuantizedCache stores them.
+    qgrid = list(product([1, 12], [1, 3], [0, 1, 9], [1, 4], [16, 64], [None, 8]))
+    js = page.evaluate(
+        "grid => grid.map(([l, b, t, h, d, g]) => window.KVExplorer.quantizedCacheBytes(l, b, t, h, d, g))", qgrid
+    )
+    assert js == [quantized_kv_cache_bytes(*args) for args in qgrid]
+    for n_layers, batch, tokens, heads, head_dim, group in [(12, 1, 9, 4, 64, None), (2, 3, 5, 2, 16, 8)]:
+        cache = QuantizedCache(n_layers, group_size=group)
+        for layer in range(n_layers):
+            k = torch.randn(batch, heads, tokens, head_dim, generator=torch.Generator().manual_seed(layer))
+            cache.append(layer, k, -k)
+        assert cache.nbytes == quantized_kv_cache_bytes(n_layers, batch, tokens, heads, head_dim, group)
+
     runs = list(product([1, 3, 6, 24], [0, 1, 2, 9], [True, False]))
     js = page.evaluate("runs => runs.map(([p, n, c]) => window.KVExplorer.positionsComputed(p, n, c))", runs)
     assert js == [positions_computed(p, n, c) for p, n, c in runs]
@@ -630,3 +668,111 @@ def test_explorer_edge_cases(page: Page, book_server):
         assert page.locator('[data-kv-explorer] [data-kvx="next"]').is_disabled()
         assert value(page, "bytes-total") == 0 and value(page, "cum-uncached") == 0
     watch.assert_clean("explorer edge cases")
+
+
+def test_explorer_counts_int8_scales(page: Page, book_server):
+    """"int8 + scale" holds what chapter 9's QuantizedCache holds: D + 4 bytes per position and head
+    (codes and one float32 scale), so (D + 4) / (4 D) of float32, as qa/engines checks."""
+    watch = explorer(page, book_server)
+    model = get_config("gpt2-124m")
+    L, D = model.n_layers, model.head_dim
+    choose(page, "prompt", 6)
+    choose(page, "kvHeads", 4)
+    choose(page, "batch", 2)
+    page.locator('[data-kv-explorer] [data-kvx="last"]').click()
+    tokens = value(page, "cache-tokens")
+    choose(page, "bytes", 4)
+    float32 = value(page, "bytes-total")
+    assert float32 == kv_cache_bytes(L, 2, tokens, 4, D, 4)
+    choose(page, "bytes", 1)
+    int8 = value(page, "bytes-total")
+    assert int8 == quantized_kv_cache_bytes(L, 2, tokens, 4, D) == 2 * L * 2 * tokens * 4 * (D + 4)
+    assert value(page, "bytes-total") / float32 == (D + 4) / (4 * D)
+    assert value(page, "bytes-layer") == quantized_kv_cache_bytes(1, 2, tokens, 4, D)
+    assert value(page, "bytes-limit") == quantized_kv_cache_bytes(L, 2, 32, 4, D)  # the 32-row position table
+    assert f"(D + 4) = 2 × 2 × {L} × 4 × {tokens} × ({D} + 4) = {value(page, 'bytes-total'):,} bytes" in shown(
+        page, "formula"
+    )
+    watch.assert_clean("explorer int8")
+
+
+def _explorer_state(page: Page) -> dict:
+    return page.evaluate(
+        """() => ({
+            selects: Object.fromEntries([...document.querySelectorAll('[data-kv-explorer] select')]
+                .map(s => [s.dataset.kvxSetting, s.value])),
+            cache: document.querySelector('[data-kv-explorer] [data-kvx="cache-toggle"]').getAttribute('aria-pressed'),
+            status: document.querySelector('[data-kv-explorer] [data-kvx="status"]').textContent,
+            bytes: document.querySelector('[data-kv-explorer] [data-kvx="bytes-total"]').dataset.value,
+        })"""
+    )
+
+
+def test_explorer_keeps_its_settings_in_the_address(page: Page, book_server):
+    """The address holds the settings and the step: a reload restores them, the address can be shared,
+    a change replaces the history entry (Back leaves the page) and Back/Forward return to the same view."""
+    watch = open_page(page, book_server, "book/glossary")
+    explorer(page, book_server)
+    history = page.evaluate("() => history.length")
+    choose(page, "prompt", 6)
+    choose(page, "kvHeads", 4)
+    choose(page, "bytes", 1)
+    choose(page, "window", 4)
+    page.locator('[data-kv-explorer] [data-kvx="next"]').click()
+    page.locator('[data-kv-explorer] [data-kvx="next"]').click()
+    page.keyboard.press("c")
+    query = dict(parse_qsl(urlsplit(page.url).query))
+    assert query == {"prompt": "6", "kv": "4", "type": "int8", "window": "4", "cache": "off", "step": "2"}, page.url
+    assert page.evaluate("() => history.length") == history, "each change added a history entry"
+    before = _explorer_state(page)
+    assert "Forward call 3 of 8" in before["status"] and before["cache"] == "false"
+
+    page.reload(wait_until="load")
+    page.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    assert _explorer_state(page) == before, "a reload lost the settings"
+
+    # Another page and back: the same view; Back once more leaves for the page before the explorer.
+    page.locator("article.bd-article a[href*='glossary.html']").first.click()
+    page.wait_for_url("**/glossary.html**")
+    page.go_back(wait_until="load")
+    page.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    assert _explorer_state(page) == before, "Back did not return to the same settings"
+    page.go_forward(wait_until="load")
+    page.go_back(wait_until="load")
+    page.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    assert _explorer_state(page) == before
+    page.go_back(wait_until="load")
+    assert urlsplit(page.url).path.endswith("/book/glossary.html"), page.url
+
+    # A shared address opens the same view in a fresh page; unknown values keep their defaults.
+    fresh = page.context.new_page()
+    fresh.goto(f"{book_server}book/explorer.html?" + urlencode(query), wait_until="load")
+    fresh.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    assert _explorer_state(fresh) == before, "a shared address did not restore the view"
+    fresh.goto(f"{book_server}book/explorer.html?prompt=999&kv=5&type=int4&step=x&batch=2", wait_until="load")
+    fresh.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    state = _explorer_state(fresh)
+    defaults = fresh.evaluate("() => window.KVExplorer.DEFAULTS")
+    assert state["selects"]["prompt"] == str(defaults["prompt"]) and state["selects"]["kvHeads"] == str(
+        defaults["kvHeads"]
+    )
+    assert state["selects"]["bytes"] == str(defaults["bytes"]) and state["selects"]["batch"] == "2"
+    assert dict(parse_qsl(urlsplit(fresh.url).query)) == {"batch": "2"}, "the address was not cleaned up"
+    fresh.close()
+    watch.assert_clean("explorer address")
+
+
+@pytest.mark.parametrize("width", [DESKTOP, PHONE])
+def test_explorer_step_buttons_never_leave_one_alone(page: Page, book_server, width):
+    page.set_viewport_size({"width": width, "height": 900})
+    explorer(page, book_server)
+    rows = page.evaluate(
+        """() => { const rows = {};
+                   for (const b of document.querySelectorAll('[data-kv-explorer] .kvx-nav .kvx-btn')) {
+                     const top = Math.round(b.getBoundingClientRect().top);
+                     (rows[top] = rows[top] || []).push(b.textContent.trim());
+                   }
+                   return Object.values(rows); }"""
+    )
+    assert sum(map(len, rows)) == 4 and all(len(r) >= 2 for r in rows), f"at {width} px the step buttons sit {rows}"
+    assert all(len(r) == len(rows[0]) for r in rows), f"at {width} px the rows are uneven: {rows}"
