@@ -667,6 +667,11 @@ def test_explorer_edge_cases(page: Page, book_server):
         assert stop.is_visible() and "Nothing to generate" in stop.inner_text()
         assert page.locator('[data-kv-explorer] [data-kvx="next"]').is_disabled()
         assert value(page, "bytes-total") == 0 and value(page, "cum-uncached") == 0
+
+    # One requested token: one forward call, and a sentence in the singular.
+    choose(page, "context", 64)
+    choose(page, "newTokens", 1)
+    assert stop.is_visible() and stop.inner_text() == "Done: the one requested token generated."
     watch.assert_clean("explorer edge cases")
 
 
@@ -694,6 +699,22 @@ def test_explorer_counts_int8_scales(page: Page, book_server):
         page, "formula"
     )
     watch.assert_clean("explorer int8")
+
+
+def test_explorer_shows_sizes_to_three_significant_digits(page: Page, book_server):
+    """Sizes side by side read alike: 36.0 MiB next to 1.13 MiB, not 36.00 MiB."""
+    explorer(page, book_server)
+    sizes = [1000, 1024, 4915, 58752, 208896, 1048575, 1185792, 37748736, 3 * 2**30 + 2**29]
+    texts = page.evaluate("sizes => sizes.map(window.KVExplorer.formatBytes)", sizes)
+    assert texts[0] == "1,000 B"
+    for size, text in zip(sizes[1:], texts[1:], strict=True):
+        m = re.fullmatch(r"(\d\.\d\d|\d\d\.\d|\d\d\d) (KiB|MiB|GiB)", text)
+        assert m, f"{size} bytes shown as {text!r}"
+        scale = 1024 ** (["KiB", "MiB", "GiB"].index(m[2]) + 1)
+        assert abs(float(m[1]) * scale - size) <= 0.005 * size, f"{size} bytes shown as {text!r}"
+    choose(page, "context", 1024)
+    choose(page, "bytes", 2)
+    assert shown(page, "bytes-limit") == "36.0 MiB"
 
 
 def _explorer_state(page: Page) -> dict:

@@ -188,11 +188,18 @@
     return Math.round(x).toLocaleString("en-US");
   }
 
+  // Three significant digits in every unit, so that neighbouring sizes read alike (36.0 MiB, 1.13 MiB).
   function fmtBytes(b) {
     if (b < 1024) return fmtInt(b) + " B";
-    if (b < 1024 * 1024) return (b / 1024).toFixed(1) + " KiB";
-    if (b < 1024 * 1024 * 1024) return (b / (1024 * 1024)).toFixed(2) + " MiB";
-    return (b / (1024 * 1024 * 1024)).toFixed(2) + " GiB";
+    var units = ["KiB", "MiB", "GiB", "TiB"];
+    var x = b / 1024;
+    var i = 0;
+    while (x >= 999.5 && i < units.length - 1) {
+      x /= 1024;
+      i++;
+    }
+    var digits = x >= 99.95 ? 0 : x >= 9.995 ? 1 : 2;
+    return x.toFixed(digits) + " " + units[i];
   }
 
   function attentionKind(kv) {
@@ -541,7 +548,8 @@
           "generated tokens now fill all " + s.context + " rows of the position table, and a new position " +
           "would have no row. A cache window does not lift this limit.";
       } else {
-        stop.textContent = "Done: all " + s.newTokens + " requested tokens generated.";
+        stop.textContent = s.newTokens === 1 ? "Done: the one requested token generated." :
+          "Done: all " + s.newTokens + " requested tokens generated.";
       }
       stop.hidden = false;
     }
