@@ -29,7 +29,7 @@ def test_there_are_notebooks_to_check():
 
 def test_notebook_code_is_formatted_for_the_column():
     out = _ruff("format", "--check", "--output-format", "concise", "--line-length", str(COLUMNS), *NOTEBOOKS)
-    files = [line.split(":cell")[0] for line in out.stdout.splitlines() if "would be reformatted" in line.lower()]
+    files = {line.split(":")[0] for line in out.stdout.splitlines() if ": unformatted:" in line}
     assert out.returncode == 0, (
         f"{len(files)} notebooks are not formatted to {COLUMNS} columns (first difference shown):\n"
         + out.stdout
