@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads)")
     for t in values["targets"]:
         print(f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: measured {t['measured']:.3g} "
-              f"{t['comparison']} {t['target']:g}")
+              f"{t['comparison']} {t['target']:g}" + (f"\n             {t['reason']}" if "reason" in t else ""))
     if args.plots:
         from labcode.bench.plots import save_plots
 
