@@ -25,9 +25,9 @@ def time_decode_batch(model: GPT, batch: int, s_cached: int, steps: int = 5, war
     cache = WindowCache(cfg.n_layers, s_cached + warmup + steps + 1)
     fill_cache(cache, model, batch, s_cached)
     token = torch.zeros(batch, dtype=torch.long, device=device)
-    ops = count_ops(lambda: decode_step(model, token, cache))
     for _ in range(warmup - 1):
         decode_step(model, token, cache)
+    ops = count_ops(lambda: decode_step(model, token, cache))  # the last warm-up step
     s_first = cache.position
     runs = [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(steps)]
     return {"batch": batch, "s_mid": s_first + (steps - 1) // 2, "ops": ops,

@@ -335,6 +335,26 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
     return fig
 
 
+@_styled
+def plot_rows(values: dict) -> Figure:
+    """FLOP/s of products with R rows through one weight, against the roofline at their intensity: the soft ridge."""
+    mach = values["roofline_machine"]
+    peak, bw = mach["wall"]["peak_flops_per_s"], mach["wall"]["bandwidth_bytes_per_s"]
+    rows = mach["rows"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    r = [x["rows"] for x in rows]
+    ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=INK, lw=2,
+            label="roofline at each R's intensity")
+    ax.plot(r, [x["flops_per_s"] / 1e9 for x in rows], "o-", color=SERIES[0], label="measured (wall clock)")
+    ax.plot(r, [x["cpu_flops_per_s"] / 1e9 for x in rows], "s--", color=SERIES[1], label="measured (CPU time)")
+    ax.set(xscale="log", yscale="log", xlabel="rows R multiplied by the weight", ylabel="GFLOP/s")
+    _plain(ax, "x", base=2)
+    _plain(ax, "y")
+    ax.grid(True, which="major")
+    ax.legend(loc="lower right")
+    return fig
+
+
 PLOTS = {
     "append": plot_append,
     "append_attention": plot_append_attention,
@@ -343,6 +363,7 @@ PLOTS = {
     "floor": plot_floor,
     "roofline": plot_roofline,
     "roofline_fit": plot_roofline_fit,
+    "rows": plot_rows,
     "batch": plot_batch,
     "critical_batch": plot_critical_batch,
     "concurrency": plot_concurrency,

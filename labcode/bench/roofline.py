@@ -166,9 +166,9 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
         cache = WindowCache(cfg.n_layers, cfg.context_length)
         fill_cache(cache, model, batch, s_cached)
         token = ids[:, 0]
-        ops = count_ops(lambda: decode_step(model, token, cache))
         for _ in range(warmup - 1):
             decode_step(model, token, cache)
+        ops = count_ops(lambda: decode_step(model, token, cache))  # a step like the timed ones, and the last warm-up
         s_first = cache.position
         runs = [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(repeats)]
         s_mid = s_first + (repeats - 1) // 2
@@ -207,8 +207,9 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
                    models: dict | None = None, repeats: int = 5, progress=None) -> dict:
     """Every point of every preset, timed and predicted; `points` holds `points_for`'s arguments.
 
-    Returns, per preset, a list of points with their counted cost, the measured seconds,
-    the prediction with and without the overhead term, and measured / predicted in both clocks.
+    Decode points time `repeats` steps; prefill and uncached calls, which are longer, about
+    half as many. Returns, per preset, a list of points with their counted cost, the measured
+    seconds, the prediction with and without the overhead term, and measured / predicted in both clocks.
     """
     from labcode.bench import random_model  # the package imports this module
 
@@ -218,7 +219,7 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
         cfg = model.cfg
         rows = []
         for kind, t, s in points_for(cfg, **points):
-            row = time_point(model, kind, t, s, repeats=repeats)
+            row = time_point(model, kind, t, s, repeats=repeats if kind == "decode" else max(1, (repeats + 1) // 2))
             cost = cost_of(cfg, kind, t, row["s_mid"])
             row.update(flops=cost.flops, bytes=cost.bytes, weight_bytes=cost.weight_bytes,
                        kv_bytes=cost.kv_read_bytes + cost.kv_write_bytes, act_bytes=cost.act_bytes,
