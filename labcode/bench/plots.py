@@ -136,13 +136,21 @@ SERIES = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
 def _plain(ax: Axes, axis: str = "both", base: float = 10) -> None:
-    """Log axes labelled with plain numbers (1, 2, 4 or 10, 100), never "2.4x10^0"."""
+    """Log axes labelled with plain numbers (1, 2, 5, 10 or 1, 2, 4, 8), never "2.4x10^0".
+
+    Call after plotting: an axis spanning two decades or less also gets ticks at 2 and 5.
+    """
+    import math
+
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fmt = FuncFormatter(lambda v, _: f"{v:,.6g}")
     for name in ("x", "y") if axis == "both" else (axis,):
         a = getattr(ax, f"{name}axis")
-        a.set_major_locator(LogLocator(base=base, numticks=12))
+        lo, hi = sorted(getattr(ax, f"get_{name}lim")())
+        decades = math.log10(hi / lo) if lo > 0 else 99
+        subs = (1.0, 2.0, 5.0) if base == 10 and decades <= 2 else (1.0,)
+        a.set_major_locator(LogLocator(base=base, subs=subs, numticks=12))
         a.set_major_formatter(fmt)
         a.set_minor_formatter(NullFormatter())
 
@@ -313,7 +321,7 @@ def plot_window_vs_concat(values: dict) -> Figure:
                         color=color, alpha=0.2, lw=0)
     ax.set(xlabel="keys attended to", ylabel="ms per decode step", ylim=(0, None))
     ax.grid(True)
-    ax.legend(loc="upper left")
+    ax.legend(loc="lower right")
     return fig
 
 
@@ -339,14 +347,15 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
 def plot_rows(values: dict) -> Figure:
     """FLOP/s of products with R rows through one weight, against the roofline at their intensity: the soft ridge."""
     mach = values["roofline_machine"]
-    peak, bw = mach["wall"]["peak_flops_per_s"], mach["wall"]["bandwidth_bytes_per_s"]
     rows = mach["rows"]
     fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
     r = [x["rows"] for x in rows]
-    ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=INK, lw=2,
-            label="roofline at each R's intensity")
-    ax.plot(r, [x["flops_per_s"] / 1e9 for x in rows], "o-", color=SERIES[0], label="measured (wall clock)")
-    ax.plot(r, [x["cpu_flops_per_s"] / 1e9 for x in rows], "s--", color=SERIES[1], label="measured (CPU time)")
+    for clock, key, color, label in (("wall", "flops_per_s", SERIES[0], "wall clock"),
+                                     ("cpu", "cpu_flops_per_s", SERIES[1], "process CPU time")):
+        peak, bw = mach[clock]["peak_flops_per_s"], mach[clock]["bandwidth_bytes_per_s"]
+        ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=color, lw=1,
+                label=f"roofline, {label}")
+        ax.plot(r, [x[key] / 1e9 for x in rows], "o", color=color, label=f"measured, {label}")
     ax.set(xscale="log", yscale="log", xlabel="rows R multiplied by the weight", ylabel="GFLOP/s")
     _plain(ax, "x", base=2)
     _plain(ax, "y")
