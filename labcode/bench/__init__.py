@@ -299,7 +299,8 @@ def _floor_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, model, 
     positions = [p for p in sizes.window_concat_positions if p + sizes.window_concat_steps + 3 < cfg.context_length]
     with _bar(sizes.window_concat_rounds * len(positions), "window vs concat", progress) as bar:
         res.value("window_vs_concat", bench_window_vs_concat(model, positions, sizes.window_concat_steps,
-                                                             sizes.window_concat_rounds, progress=bar), RECORDED)
+                                                             sizes.window_concat_rounds, bandwidth=bw["best"],
+                                                             progress=bar), RECORDED)
     if sizes.profile_steps:
         res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), RECORDED)
 
@@ -489,6 +490,9 @@ def targets(values: dict, tolerance: float = 1.5) -> list[dict]:
                 "measured_cpu": max(summ[p]["worst_factor_cpu"] for p in presets),
                 "without_overhead_where_it_does_not_dominate": max(bandwidth_ok) if bandwidth_ok else float("nan"),
                 "overhead_dominates": ", ".join(dominated) or "nowhere",
+                "worst_by_kind": {p: {k: summ[p]["kinds"][k]["worst_factor"] for k in summ[p]["kinds"]}
+                                  for p in presets},
+                "overhead_crossover_d_model": {p: summ["crossover"][p]["crossover_d_model"] for p in presets},
                 "reason_if_not_met": f"worst: {worst['kind']} of T={worst['t_new']} after S={worst['s_cached']} at "
                 f"{worst['preset']}, measured {worst['ratio']:.3g}x the prediction ({worst['predicted']['bound']}"
                 "-bound)" + (_rows_reason(values, worst) if worst["predicted"]["bound"] == "compute" else "")})

@@ -61,7 +61,10 @@ def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...],
         s_mid, ops = measured[0]["s_mid"], measured[0]["ops"]
         run = {"s_cached": s, "s_mid": s_mid, "batch": list(batches), "ops": ops,
                "step_s": [m["step_s"] for m in measured], "step_cpu_s": [m["step_cpu_s"] for m in measured],
-               "tokens_per_s": [b / m["step_s"] for b, m in zip(batches, measured, strict=True)]}
+               "tokens_per_s": [b / m["step_s"] for b, m in zip(batches, measured, strict=True)],
+               # how much longer a step of B sequences takes than a step of one: 1.0 while the weights' reads dominate
+               "step_over_first": [m["step_s"] / measured[0]["step_s"] for m in measured],
+               "step_over_first_cpu": [m["step_cpu_s"] / measured[0]["step_cpu_s"] for m in measured]}
         for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
             mach = machine_of(machine, clock)
             pred = predicted_curve(cfg, s_mid, list(batches), mach, ops)

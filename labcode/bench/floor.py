@@ -67,11 +67,17 @@ class LeanDecode:
     "row"), multiplies one row with `addmv` into preallocated outputs, and reads the keys
     as K @ q. It writes into a `WindowCache`'s buffers as the model does; callable like
     the model on one new position, `step(ids [B, 1], cache) -> logits [B, 1, V]`.
-    Set `timer` to a `StepTimer` to time each kind of operation.
+    `fused_qkv`, `matvec` and `k_first` switch single options (the layouts follow `lean`),
+    for ablations. Set `timer` to a `StepTimer` to time each kind of operation.
     """
 
-    def __init__(self, model: GPT, lean: bool = True, layouts: dict[tuple[int, int], str] | None = None) -> None:
+    def __init__(self, model: GPT, lean: bool = True, layouts: dict[tuple[int, int], str] | None = None, *,
+                 fused_qkv: bool | None = None, matvec: bool | None = None, k_first: bool | None = None) -> None:
         self.model, self.cfg, self.device, self.dtype, self.lean = model, model.cfg, model.device, model.dtype, lean
+        # each option alone, for ablations; by default all on (lean) or all off (the model's own operations)
+        self.fused_qkv = lean if fused_qkv is None else fused_qkv
+        self.matvec = lean if matvec is None else matvec
+        self.k_first = lean if k_first is None else k_first
         self.timer = None
         layouts = layouts or {}
 
@@ -81,7 +87,7 @@ class LeanDecode:
         self.layers = []
         for b in model.blocks:
             a, (fc, proj) = b.attn, (b.mlp[0], b.mlp[2])
-            if lean:
+            if self.fused_qkv:
                 qkv = (lay(torch.cat((a.q_proj.weight, a.kv_proj.weight))), torch.cat((a.q_proj.bias, a.kv_proj.bias)))
                 linears = {"qkv": qkv}
             else:
@@ -95,7 +101,7 @@ class LeanDecode:
     def _linear(self, name: str, key: tuple, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
         """x [B, in] @ w^T + bias -> [B, out]; one row goes through `addmv` into a reused buffer."""
         op = self.timer or _untimed
-        if not self.lean or x.shape[0] != 1:
+        if not self.matvec or x.shape[0] != 1:
             return op(name, F.linear, x, w, bias)
         out = self.buffers.get(key)
         if out is None:
@@ -116,7 +122,7 @@ class LeanDecode:
             x = op("other", torch.add, x, m.pos_emb.weight[n])
         for layer, ((ln1_w, ln1_b), (ln2_w, ln2_b), lin) in enumerate(self.layers):
             a = op("other", F.layer_norm, x, (c,), ln1_w, ln1_b, 1e-5)
-            if self.lean:
+            if self.fused_qkv:
                 qkv = self._linear("q/k/v projections", (layer, "qkv"), a, *lin["qkv"])  # (B, HD + 2 Hkv D)
                 q, kv = qkv[:, : h * d], qkv[:, h * d :]
             else:
@@ -133,7 +139,7 @@ class LeanDecode:
             op("cache write", keys.narrow(2, n, 1).copy_, k_new)
             op("cache write", values.narrow(2, n, 1).copy_, v_new)
             k_all, v_all = keys.narrow(2, 0, n + 1), values.narrow(2, 0, n + 1)  # (B, Hkv, n + 1, D): views
-            if self.lean:
+            if self.k_first:
                 y = self._attend(q, k_all, v_all, b, hkv, g, d, n + 1)
             else:
                 y = op("attention", attend, q.view(b, 1, h, d).transpose(1, 2), k_all, v_all, None)
@@ -145,7 +151,7 @@ class LeanDecode:
         cache.ptr = [n + 1] * cache.n_layers
         cache.position += 1
         x = op("other", F.layer_norm, x, (c,), m.ln_f.weight, m.ln_f.bias, 1e-5)
-        logits = op("head", F.linear, x, self.head) if not self.lean or b != 1 else op(
+        logits = op("head", F.linear, x, self.head) if not self.matvec or b != 1 else op(
             "head", torch.mv, self.head, x[0]).unsqueeze(0)
         return logits.unsqueeze(1)  # (B, 1, V)
 
@@ -307,11 +313,12 @@ def kv_read_variants(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int
 
 @torch.inference_mode()
 def bench_window_vs_concat(model: GPT, positions: Sequence[int], steps: int, rounds: int = 1, warmup: int = 2,
-                           progress=None) -> dict:
+                           bandwidth: float | None = None, progress=None) -> dict:
     """Seconds per decode step with a `WindowCache` and with a `ConcatCache` holding the same positions, interleaved.
 
     The concatenating cache copies every cached key and value at every step; the window
-    cache writes one row. Their difference should grow with the context.
+    cache writes one row. Their difference should grow with the context: by the copy's
+    bytes (read and written) over `bandwidth`, if given (`cat_extra_predicted_s`).
     """
     cfg, device = model.cfg, model.device
     token = torch.zeros(1, dtype=torch.long, device=device)
@@ -338,6 +345,9 @@ def bench_window_vs_concat(model: GPT, positions: Sequence[int], steps: int, rou
                                                                  strict=True)]
     # what the extra copy should cost: reading and writing every cached K and V of every layer
     out["cat_copy_bytes"] = [2 * 2 * cfg.n_layers * k * cfg.n_kv_heads * cfg.head_dim * 4 for k in out["keys"]]
+    if bandwidth:
+        out["cat_extra_predicted_s"] = [b / bandwidth for b in out["cat_copy_bytes"]]
+        out["cat_extra_s"] = [c - w for c, w in zip(out["cat_s"], out["window_s"], strict=True)]
     return out
 
 
