@@ -138,8 +138,36 @@ def test_products_only_step_computes_the_models_logits(name):
 def test_every_figure_is_written(bench_run):
     _, plots = bench_run
     assert [p.name for p in plots] == sorted(
-        f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "floor"))
+        f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "floor", "roofline",
+                                   "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
+                                   "floor_ratio", "window_vs_concat"))
     assert all(p.stat().st_size > 5000 for p in plots)
+
+
+def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
+    import matplotlib.pyplot as plt
+
+    from labcode.bench.plots import PLOTS, STYLE, WIDTH
+
+    values = bench_run[0]["values"]
+    for name in ("roofline", "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
+                 "floor_ratio", "window_vs_concat"):
+        fig = PLOTS[name](values)
+        try:
+            fig.canvas.draw()  # tick labels get their text when drawn
+            assert fig.get_figwidth() <= WIDTH, name
+            assert fig.patch.get_alpha() == 0 or fig.get_facecolor()[3] == 0, name  # transparent background
+            texts = [t for ax in fig.axes for t in (ax.xaxis.get_ticklabels() + ax.yaxis.get_ticklabels()
+                                                    + [ax.xaxis.label, ax.yaxis.label, ax.title])]
+            assert min(t.get_fontsize() for t in texts if t.get_text()) >= 9, name
+            labels = [t.get_text() for ax in fig.axes for t in ax.xaxis.get_ticklabels() + ax.yaxis.get_ticklabels()]
+            assert labels and not any("$" in t or "^" in t or "×" in t for t in labels), name  # no "2.4x10^0"
+            for ax in fig.axes:
+                assert len([ln for ln in ax.get_lines() if ln.get_label() and not ln.get_label().startswith("_")]
+                           ) <= 6, name  # a handful of labelled series per panel
+        finally:
+            plt.close(fig)
+    assert STYLE["savefig.transparent"] is True
 
 
 def test_every_appender_stores_the_same_keys():
