@@ -134,6 +134,10 @@ SIZES = {
 }
 
 
+# Every value of the benchmark record is a measurement of the machine that ran it: recorded, never compared.
+TIMED = recorded("benchmark measurements of the machine that ran them")
+
+
 def default_device() -> torch.device:
     """CUDA when present, CPU otherwise."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -153,10 +157,6 @@ def _bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
 
 
-RECORDED = recorded("a timing or a fact about the machine: machine-dependent, never compared")
-COUNTED = recorded("counted or computed from this run's measurements; recorded with them")
-
-
 def run_benchmarks(mode: str = "quick", device: torch.device | None = None, progress: bool = True) -> QAResult:
     """Run every benchmark at the sizes of `mode` ("test", "quick" or "full"); return the unwritten result."""
     sizes, device = SIZES[mode], device or default_device()
@@ -170,10 +170,10 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
 
     res = QAResult("bench", {"mode": mode, "device": str(device), **asdict(sizes)}, machine_dependent=True)
     res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device),
-                          "matmul_flops_per_s": matmul_flops_per_s(device)}, RECORDED)
+                          "matmul_flops_per_s": matmul_flops_per_s(device)}, TIMED)
     measured = measure_machine(device, sizes.bandwidth_mbytes, sizes.overhead_preset)
     measured["rows"] = measure_rows(device, sizes.rows_shape, min_mbytes=sizes.bandwidth_mbytes // 4)
-    res.value("roofline_machine", measured, RECORDED)
+    res.value("roofline_machine", measured, TIMED)
     lap("machine")
     _append_benchmarks(res, sizes, device, progress)
     lap("append")
@@ -184,7 +184,7 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
         with _bar(rounds * new, f"generation {preset}", progress) as bar:
             generation[preset] = bench_generation(models[preset], prompt, new, rounds, progress=bar)
         generation[preset]["preset"] = preset
-    res.value("generation", generation, RECORDED)
+    res.value("generation", generation, TIMED)
     lap("generation")
     _roofline_benchmarks(res, sizes, device, measured, models, progress)
     lap("roofline")
@@ -192,14 +192,14 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     _floor_benchmarks(res, sizes, device, model, progress)
     del models, model
     lap("floor")
-    res.value("memory", _memory(sizes), COUNTED)
+    res.value("memory", _memory(sizes), TIMED)
     lap("memory")
     _flop_checks(res)
     lap("flop_checks")
     _correctness_checks(res)
-    res.value("targets", targets(res.doc["values"]), COUNTED)
-    res.value("section_s", sections, RECORDED)
-    res.value("elapsed_s", time.perf_counter() - started, RECORDED)
+    res.value("targets", targets(res.doc["values"]), TIMED)
+    res.value("section_s", sections, TIMED)
+    res.value("elapsed_s", time.perf_counter() - started, TIMED)
     return res
 
 
@@ -212,7 +212,7 @@ def _roofline_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, meas
     with _bar(n_points, "roofline", progress) as bar:
         result = bench_roofline(sizes.roofline_presets, points, measured, device, models,
                                 repeats=sizes.roofline_repeats, progress=bar)
-    res.value("roofline", result, RECORDED)
+    res.value("roofline", result, TIMED)
     wall = machine_of(measured)
     overhead = measured["overhead"]
     extra = {"crossover": {p: overhead_crossover(get_config(p), wall, _decode_ops(result[p]))
@@ -221,7 +221,7 @@ def _roofline_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, meas
         if preset in result:
             extra.setdefault("generation", {})[preset] = roofline_speedup(get_config(preset), run, result[preset],
                                                                           wall)
-    res.value("roofline_summary", {**summary(result), "overhead_measured_on": overhead["preset"], **extra}, COUNTED)
+    res.value("roofline_summary", {**summary(result), "overhead_measured_on": overhead["preset"], **extra}, TIMED)
     batch = {}
     n_runs = sum(len(b) * len(c) for _, b, c in sizes.batch_runs)
     with _bar(n_runs, "batch", progress) as bar:
@@ -234,7 +234,7 @@ def _roofline_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, meas
                                                           kv_heads=tuple(h for h in (cfg.n_heads // 4, 1)
                                                                          if 0 < h < cfg.n_heads))
             del model
-    res.value("batch", batch, RECORDED)
+    res.value("batch", batch, TIMED)
 
 
 def _decode_ops(run: dict) -> int:
@@ -280,8 +280,8 @@ def _floor_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, model, 
     floor["products_only_max_logit_diff"] = products_only_diff(model, sizes.floor_positions[-1])
     floor["lean_max_logit_diff"] = lean_diff(model, sizes.floor_positions[-1], layouts)
     floor["overhead"] = overhead_step(model, sizes.floor_positions[len(sizes.floor_positions) // 2])
-    res.value("floor", floor, RECORDED)
-    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2), RECORDED)
+    res.value("floor", floor, TIMED)
+    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2), TIMED)
     bandwidth = {"wall": bw["best"], "cpu": bw["best_cpu"]}
     cfg = model.cfg
     res.value("floor_ops", {
@@ -294,15 +294,15 @@ def _floor_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, model, 
         "kv_reads": kv_read_variants(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, sizes.kv_read_lengths,
                                      device, capacity=cfg.context_length),
         "validation": validation_cost(model),
-    }, RECORDED)
+    }, TIMED)
     del streamer, lean
     positions = [p for p in sizes.window_concat_positions if p + sizes.window_concat_steps + 3 < cfg.context_length]
     with _bar(sizes.window_concat_rounds * len(positions), "window vs concat", progress) as bar:
         res.value("window_vs_concat", bench_window_vs_concat(model, positions, sizes.window_concat_steps,
                                                              sizes.window_concat_rounds, bandwidth=bw["best"],
-                                                             progress=bar), RECORDED)
+                                                             progress=bar), TIMED)
     if sizes.profile_steps:
-        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), RECORDED)
+        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), TIMED)
 
 
 def _memory(sizes: Sizes) -> dict:
@@ -322,11 +322,11 @@ def _append_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, progre
         setup = AppendSetup(name, prefill, sizes.append_decode, n_layers=sizes.append_layers)
         with _bar((sizes.append_rounds + 1) * setup.decode, f"append {name}", progress) as bar:
             append[name] = bench_append(setup, APPEND_KINDS, sizes.append_rounds, device, progress=bar)
-    res.value("append", append, RECORDED)
+    res.value("append", append, TIMED)
     setup = AppendSetup("candle", sizes.append_prefills[0], sizes.attention_decode, n_layers=sizes.append_layers)
     with _bar((sizes.attention_rounds + 1) * setup.decode, "append + attention", progress) as bar:
         res.value("append_attention", bench_append_attention(setup, ["cat", "slice"], sizes.attention_rounds,
-                                                             device, progress=bar), RECORDED)
+                                                             device, progress=bar), TIMED)
 
 
 def _flop_checks(res: QAResult) -> None:
