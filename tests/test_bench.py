@@ -377,3 +377,27 @@ def test_floor_bytes_are_the_weights_and_the_kv():
         biases = cfg.n_layers * (cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 6 * cfg.d_model)
         assert sum(nbytes[k] for k in matrices) == 4 * (linear_params(cfg) + biases)
         assert nbytes["attention"] == kv_cache_bytes(cfg.n_layers, 1, 9, cfg.n_kv_heads, cfg.head_dim, 4)
+
+
+def test_speedup_and_overhead_crossover_come_from_the_roofline(bench_run):
+    from labcode.bench import roofline_speedup
+    from labcode.bench.roofline import machine_of, overhead_crossover
+    from labcode.roofline import Machine, decode_cost, prefill_cost, uncached_cost
+
+    values = bench_run[0]["values"]
+    summary = values["roofline_summary"]
+    gen = summary["generation"]["tiny"]  # the test sizes time generation and the roofline at tiny
+    assert gen["predicted_speedup"] == gen["predicted_nocache_s"] / gen["predicted_cached_s"]
+    assert gen["ratio"] == gen["measured_speedup"] / gen["predicted_speedup"]
+    # by hand: a machine with no overhead and no limit but bandwidth predicts bytes / bandwidth per call
+    run = {"prompt_len": 2, "new_tokens": 3, "speedup": {"window": 1.0}, "total_s": {"nocache": 1.0, "window": 1.0}}
+    pts = {"points": [{"kind": k, "ops": 5} for k in ("prefill", "decode", "uncached")]}
+    cfg, machine = get_config("micro"), Machine(1e30, 1e6)
+    nocache = sum(uncached_cost(cfg, n).bytes for n in (2, 3, 4)) / 1e6
+    cached = (prefill_cost(cfg, 2).bytes + decode_cost(cfg, 2).bytes + decode_cost(cfg, 3).bytes) / 1e6
+    assert roofline_speedup(cfg, run, pts, machine)["predicted_speedup"] == pytest.approx(nocache / cached)
+    # the crossover: the smallest width whose bytes outweigh the operations' fixed cost
+    cross = overhead_crossover(get_config("tiny"), machine_of(values["roofline_machine"]), ops=80)
+    above = [r for r in cross["widths"] if r["t_parts"] >= r["t_overhead"]]
+    assert cross["crossover_d_model"] == min(r["d_model"] for r in above)
+    assert all(r["t_parts"] < r["t_overhead"] for r in cross["widths"] if r["d_model"] < cross["crossover_d_model"])
