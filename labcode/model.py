@@ -19,6 +19,7 @@ from labcode.caches.explicit import PairsCache
 from labcode.caches.styles import as_cache
 from labcode.checks import fail
 from labcode.config import GPTConfig
+from labcode.masks import causal_mask
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -69,14 +70,19 @@ class CausalSelfAttention(nn.Module):
         self.cache_v: torch.Tensor | None = None
         self.ptr_current_pos = 0
 
-    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C)
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k, v = self.kv_proj(x).view(b, t, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, Hkv, T, D)
         if self.cfg.rotary:
             q, k = rotate(q, positions, self.cfg.rope_base), rotate(k, positions, self.cfg.rope_base)
-        k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
-        y = attend(q, k, v, cache.mask(layer, t), self.cfg.dropout if self.training else 0.0)
+        if cache is None:  # this layer on its own (chapter 2): the T tokens see only each other
+            mask = causal_mask(t, device=x.device) if t > 1 else None
+        else:
+            k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
+            mask = cache.mask(layer, t)
+        y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
 
@@ -96,7 +102,8 @@ class Block(nn.Module):
         )
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.resid_dropout(self.attn(self.ln_1(x), layer, positions, cache))
         return x + self.mlp(self.ln_2(x))
 
