@@ -48,7 +48,7 @@ def check_prompt(model, ids: torch.Tensor, cache, chunk_size: int | None = None)
     The prompt must fit the position table and the cache's room, and its first chunk must be
     one the cache accepts (batch, dtype, device, chunk limit, plan): later chunks then are too.
     """
-    check_cache(cache, len(model.blocks))
+    check_cache(cache, model.cfg.n_layers)
     b, p = model.check_ids(ids)
     model.positions(None, cache.position, b, p)  # the whole prompt must fit the position table
     room = cache.room()
@@ -88,9 +88,14 @@ def _prefill(model, ids: torch.Tensor, cache, size: int) -> torch.Tensor:
 
 def decode_step(model, token: torch.Tensor, cache) -> torch.Tensor:
     """Run one new token per row, token [B], and return the next logits [B, V]."""
+    check_cache(cache, model.cfg.n_layers)
     if not isinstance(token, torch.Tensor) or token.dim() != 1:
         fail("token", "a rank-1 tensor [B] of ids", getattr(token, "shape", type(token)))
-    return model(token.unsqueeze(1), cache)[:, -1]
+    return _decode(model, token, cache)
+
+
+def _decode(model, token: torch.Tensor, cache) -> torch.Tensor:
+    return model(token.unsqueeze(1), cache)[:, -1]  # (B, V)
 
 
 def _check_count(max_new_tokens: int) -> None:
@@ -144,6 +149,6 @@ def generate(model, ids: torch.Tensor, max_new_tokens: int, cache, *, chunk_size
         nxt = sample(logits)  # (B,)
         out.ids = torch.cat((out.ids, nxt.unsqueeze(1)), dim=1)
         if step + 1 < n:  # the last token is never fed back: nothing would read its K/V
-            logits = decode_step(model, nxt, cache)
+            logits = _decode(model, nxt, cache)
             out.positions_computed.append(1)
     return out

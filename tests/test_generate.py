@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CORE, ONE_ROW, TOL64, build, make_cache
+from helpers import CORE, ONE_ROW, TOL64, build, make_cache, rejected
 
 from labcode import GPTConfig
-from labcode.caches import ConcatCache, RingCache, WindowCache
+from labcode.caches import CacheError, ConcatCache, PairsCache, RingCache, WindowCache
+from labcode.caches.base import snapshot, states_equal
 from labcode.checkpoint import load_checkpoint
+from labcode.engines import BlockPool, CellsCache, PagedCache, ScatteredCache
 from labcode.generate import chunk_length, decode_step, generate, generate_nocache, new_token_budget, prefill
 from labcode.tokenizer import CharTokenizer
 
@@ -129,3 +131,90 @@ def test_trained_model_prints_the_same_text_with_and_without_cache():
         assert tok.decode(out.ids[0]) == tok.decode(ref.ids[0]), kind
         diff = max((a - r).abs().max().item() for a, r in zip(out.step_logits, ref.step_logits, strict=True))
         assert diff <= TOL32_TRAINED, (kind, diff)
+
+
+# -- a prompt is checked whole, and a cache's own room is a stop reason ------------------------------
+
+def _pool_cache(n_blocks: int, block_size: int = 2) -> PagedCache:
+    return PagedCache(BlockPool(CFG.n_layers, n_blocks, block_size))
+
+
+def test_a_pool_that_cannot_hold_the_whole_prompt_refuses_it_before_writing():
+    one_row = PROMPT[:1]
+    cache = _pool_cache(2)  # 4 slots: the first chunk of 2 fits, the prompt of 6 does not
+    rejected(cache, lambda: prefill(MODEL, one_row, cache, chunk_size=2), CacheError,
+             r"ids: expected a prompt of at most 4 tokens \(the room left in the cache\), got 6")
+    assert cache.position == 0 and cache.pool.n_free == 2
+    rejected(cache, lambda: generate(MODEL, one_row, 3, cache, chunk_size=2), CacheError, r"ids: expected a prompt")
+
+
+@pytest.mark.parametrize("blocks, expected", [(3, 1), (4, 3), (5, 4)])
+def test_generation_stops_when_the_pool_is_full_and_keeps_what_it_made(blocks, expected):
+    one_row = PROMPT[:1]
+    cache = _pool_cache(blocks)  # 2 slots a block: the prompt of 6 takes 3 blocks, each new token but the last one slot
+    out = generate(MODEL, one_row, 20, cache)
+    ref = generate_nocache(MODEL, one_row, expected)
+    reason = "context_length" if expected == CFG.context_length - 6 else "cache_full"
+    assert (out.new_tokens, out.stop_reason) == (expected, reason)
+    assert torch.equal(out.ids, ref.ids) and torch.equal(out.ids[:, :6], one_row)
+    assert max((a - r).abs().max().item() for a, r in zip(out.step_logits, ref.step_logits, strict=True)) <= TOL64
+    assert cache.position == 6 + expected - 1 and cache.room() == 2 * blocks - cache.position
+
+
+def test_budget_names_the_cache_when_its_room_is_the_tightest_limit():
+    assert new_token_budget(6, 20, 10, cache_room=1) == (2, "cache_full")
+    assert new_token_budget(6, 20, 10, cache_room=3) == (4, "context_length")  # a tie: the table is named
+    assert new_token_budget(6, 2, 10, cache_room=0) == (1, "cache_full")
+    assert new_token_budget(6, 1, 10, cache_room=0) == (1, "max_new_tokens")
+
+
+@pytest.mark.parametrize("call", [
+    lambda bad: generate(MODEL, PROMPT, 3, bad),
+    lambda bad: prefill(MODEL, PROMPT, bad),
+    lambda bad: decode_step(MODEL, PROMPT[:, 0], bad),
+])
+def test_a_cache_argument_that_is_not_a_cache_is_refused_clearly(call):
+    with torch.no_grad():
+        _, pairs = MODEL(PROMPT[:, :3], None, return_cache=True)
+    kept = snapshot(pairs)
+    for bad, got in ((pairs, "list"), (None, "None"), ("window", "str")):
+        with pytest.raises(CacheError, match=rf"cache: expected a KVCache object \(labcode.caches; wrap \(K, V\) pairs "
+                                             rf"in PairsCache\), got {got}"):
+            call(bad)
+    assert states_equal(kept, pairs)
+    with pytest.raises(CacheError, match=r"cache: expected a cache for 2 layers, got one for 3"):
+        call(ConcatCache(3))
+
+
+def test_explicit_pairs_generate_once_wrapped_in_a_pairs_cache():
+    with torch.no_grad():
+        _, pairs = MODEL(PROMPT[:, :4], None, return_cache=True)
+    cache = PairsCache(CFG.n_layers, pairs)
+    out = generate(MODEL, PROMPT[:, 4:], 3, cache)
+    assert torch.equal(out.ids[:, 2:], generate_nocache(MODEL, PROMPT, 3).ids[:, 6:])
+    assert cache.length() == 8 and pairs[0][0].shape[2] == 4  # the pairs handed in are untouched
+
+
+def test_cells_and_ragged_caches_generate_one_sequence_and_a_batch():
+    one_row = PROMPT[:1]
+    ref = generate_nocache(MODEL, one_row, 4)
+    cells = CellsCache(CFG.n_layers, 12, n_seqs=2, default_seq=1)
+    out = generate(MODEL, one_row, 4, cells, chunk_size=4)
+    assert torch.equal(out.ids, ref.ids) and cells.seq_pos_max(1) == 8 and cells.seq_pos_max(0) == -1
+    batch = ScatteredCache(CFG.n_layers, 3, 10)
+    out = generate(MODEL, PROMPT, 4, batch, chunk_size=2)
+    assert torch.equal(out.ids, generate_nocache(MODEL, PROMPT, 4).ids) and batch.lengths == [9, 9, 9]
+
+
+def test_caches_that_need_a_plan_are_refused_before_anything_runs():
+    one_row = PROMPT[:1]
+    cells = CellsCache(CFG.n_layers, 12)  # no default sequence: every pass needs a plan
+    rejected(cells, lambda: generate(MODEL, one_row, 3, cells), CacheError,
+             r"plan: expected plan\(seq_ids\) before each forward pass, got None")
+    cells.plan([0] * 6)
+    rejected(cells, lambda: generate(MODEL, one_row, 3, cells), CacheError,
+             r"cache: expected no pending plan \(a plan covers one pass, and generate runs many\), got a plan")
+    rejected(cells, lambda: prefill(MODEL, one_row, cells, chunk_size=3), CacheError,
+             r"plan: expected a plan for the 3 tokens of this pass, got 6")
+    last = prefill(MODEL, one_row, cells)  # the plan covers the whole prompt: one pass
+    assert (last - MODEL(one_row)[:, -1]).abs().max().item() <= TOL64 and cells.planned is None

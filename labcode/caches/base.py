@@ -243,8 +243,7 @@ class KVCache:
 
         The default copies every list, dict and tensor; a cache may share what it never writes in place.
         """
-        if self.chunk is not None:
-            fail("cache", "no pass in progress (forks are made between passes)", "a pass in progress", CacheError)
+        self._between_passes("forks are made between passes")
         other = object.__new__(type(self))
         other.__dict__.update({key: snapshot(val) for key, val in vars(self).items()})
         return other
@@ -259,9 +258,7 @@ class KVCache:
 
     # -- the base rules, checked once per pass -------------------------------------------
     def _chunk(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str) -> Chunk:
-        if self.chunk is not None:
-            fail("cache", "no pass in progress (end() or cancel() it first)",
-                 f"a pass begun at position {self.chunk.start}", CacheError)
+        self._between_passes("end() or cancel() it first")
         shape = tuple(shape)
         if not (len(shape) == 4 and all(is_int(n) for n in shape)):
             fail("shape", "(B, Hkv, T, D), four ints", shape, CacheError)
@@ -288,6 +285,11 @@ class KVCache:
             if (hkv, d) != (fixed.kv_heads, fixed.head_dim):
                 fail("k, v", f"Hkv={fixed.kv_heads} heads of D={fixed.head_dim}, as cached", chunk.shape, CacheError)
         self._check(chunk)
+
+    def _between_passes(self, why: str) -> None:
+        if self.chunk is not None:
+            fail("cache", f"no pass in progress ({why})",
+                 f"a pass begun at position {self.chunk.start}", CacheError)
 
     def _in_pass(self, what: str) -> Chunk:
         if self.chunk is None:

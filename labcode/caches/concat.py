@@ -32,6 +32,7 @@ class ConcatCache(PerLayerCache):
 
     def fork(self) -> ConcatCache:
         """A copy that shares the tensors safely: `cat` never writes into them."""
+        self._between_passes("forks are made between passes")
         other = ConcatCache(self.n_layers)
         other.__dict__.update({key: list(val) if isinstance(val, list) else val for key, val in vars(self).items()})
         return other

@@ -172,8 +172,7 @@ class PagedCache(KVCache):
 
     def fork(self) -> PagedCache:
         """A second sequence that continues from here: the block table is copied, the blocks are shared."""
-        if self.chunk is not None:
-            fail("cache", "no pass in progress (forks are made between passes)", "a pass in progress", CacheError)
+        self._between_passes("forks are made between passes")
         other = PagedCache(self.pool)
         other.table = list(self.table)
         for block in self.table:
