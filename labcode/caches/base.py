@@ -8,9 +8,11 @@ Introduced in chapter 3. A forward pass with a cache is three steps, always in t
         mask = cache.mask(layer, T)                      # [T, S_total] of what each new query may see
     cache.end()                                          # once: commit (position moves on by T)
 
-Every refusal happens in `begin`, before anything is written, so a refused pass changes
-nothing. A pass that fails after `begin` is closed with `cancel()`, which commits nothing.
-A cache knows nothing of the model.
+`begin` returns None (the new tokens sit at position, position + 1, ...) or the positions the
+cache places them at itself (chapter 9). Every refusal happens in `begin`, before anything is
+written, so a refused pass changes nothing; a pass that fails after `begin` is closed with
+`cancel()`, which commits nothing. A fork owns everything it will write. A cache knows nothing
+of the model.
 """
 
 from __future__ import annotations
