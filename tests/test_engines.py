@@ -233,7 +233,7 @@ def test_cells_remove_fork_and_reuse():
     assert (logits - full_logits(model, a[:5] + [3, 4])[5:]).abs().max().item() <= TOL
 
 
-rejects = rejected
+
 
 
 def test_cells_reject_bad_input_before_any_change():
@@ -241,25 +241,25 @@ def test_cells_reject_bad_input_before_any_change():
     cache = CellsCache(CFG.n_layers, 8, n_seqs=2)
     cache.plan([0] * 6)
     model(torch.tensor([tokens(6, 0)]), cache)
-    rejects(cache, lambda: cache.plan([0, 2]), CacheError,
+    rejected(cache, lambda: cache.plan([0, 2]), CacheError,
             r"seq_ids: expected a non-empty list of ints in \[0, 2\), got \[0, 2\]")
-    rejects(cache, lambda: cache.plan([0], [5]), CacheError,
+    rejected(cache, lambda: cache.plan([0], [5]), CacheError,
             r"positions: expected for sequence 0, increasing positions after its last one \(5\), got \[5\]")
-    rejects(cache, lambda: model(torch.tensor([[1]]), cache), CacheError,
+    rejected(cache, lambda: model(torch.tensor([[1]]), cache), CacheError,
             r"plan: expected plan\(seq_ids\) before each forward pass")
     cache.plan([1, 1, 1])
-    rejects(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
+    rejected(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
             r"t_new: expected at most 2 tokens \(free cells\), got 3")
     cache.plan([1, 1])
-    rejects(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
+    rejected(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
             r"plan: expected a plan for the 3 tokens of this pass, got 2")  # begin compares plan and chunk
-    rejects(cache, lambda: cache.check((1, 2, 3, 8), torch.float64, torch.device("cpu")), CacheError,
+    rejected(cache, lambda: cache.check((1, 2, 3, 8), torch.float64, torch.device("cpu")), CacheError,
             r"plan: expected a plan for the 3 tokens of this pass, got 2")
-    rejects(cache, lambda: cache.seq_cp(1, 0), CacheError, r"dst: expected a sequence that holds no cells, got 0")
-    rejects(cache, lambda: cache.seq_rm(5), CacheError, r"seq: expected an int in \[0, 2\), got 5")
-    rejects(cache, lambda: cache.seq_rm(0, 4, 2), CacheError, r"p1: expected an int >= p0 = 4, got 2")
+    rejected(cache, lambda: cache.seq_cp(1, 0), CacheError, r"dst: expected a sequence that holds no cells, got 0")
+    rejected(cache, lambda: cache.seq_rm(5), CacheError, r"seq: expected an int in \[0, 2\), got 5")
+    rejected(cache, lambda: cache.seq_rm(0, 4, 2), CacheError, r"p1: expected an int >= p0 = 4, got 2")
     cache.plan([0], [60])
-    rejects(cache, lambda: model(torch.tensor([[1]]), cache), ValueError,
+    rejected(cache, lambda: model(torch.tensor([[1]]), cache), ValueError,
             r"positions: expected values in \[0, 48\), got min 60, max 60")
 
 
@@ -316,21 +316,21 @@ def test_scattered_rejects_bad_input_before_any_change():
     model = MODELS[False]
     cache = ScatteredCache(CFG.n_layers, 2, capacity=10)
     run_ragged(model, cache, [tokens(4, 0), tokens(2, 1)])
-    rejects(cache, lambda: cache.plan([1]), CacheError, r"n_new: expected 2 ints >= 0, one per row, got \[1\]")
-    rejects(cache, lambda: cache.plan([3, 1], 2), CacheError, r"t_new: expected an int >= max\(1, 3\), got 2")
-    rejects(cache, lambda: run_ragged(model, cache, [tokens(7, 2), []]), CacheError,
+    rejected(cache, lambda: cache.plan([1]), CacheError, r"n_new: expected 2 ints >= 0, one per row, got \[1\]")
+    rejected(cache, lambda: cache.plan([3, 1], 2), CacheError, r"t_new: expected an int >= max\(1, 3\), got 2")
+    rejected(cache, lambda: run_ragged(model, cache, [tokens(7, 2), []]), CacheError,
             r"t_new: expected a chunk that fits the 6 free slots of the longest row, got 7")
-    rejects(cache, lambda: run_ragged(model, cache, [[CFG.vocab_size], []]), ValueError,
+    rejected(cache, lambda: run_ragged(model, cache, [[CFG.vocab_size], []]), ValueError,
             r"ids: expected values in \[0, 32\)")
-    rejects(cache, lambda: run_ragged(model, cache, [[1], [2], [3]]), CacheError,
+    rejected(cache, lambda: run_ragged(model, cache, [[1], [2], [3]]), CacheError,
             r"chunks: expected 2 lists of token ids, got 3")
-    rejects(cache, lambda: cache.crop(1, 3), CacheError, r"n_drop: expected an int in \[0, 2\], got 3")
-    rejects(cache, lambda: model(torch.tensor([[1], [2], [3]]), cache), CacheError,
+    rejected(cache, lambda: cache.crop(1, 3), CacheError, r"n_drop: expected an int in \[0, 2\], got 3")
+    rejected(cache, lambda: model(torch.tensor([[1], [2], [3]]), cache), CacheError,
             r"batch: expected the cache's batch size 2 \(reset it for a new batch\), got 3")
     cache.plan([1, 1])
-    rejects(cache, lambda: model(torch.tensor([[1, 2], [2, 3]]), cache), CacheError,
+    rejected(cache, lambda: model(torch.tensor([[1, 2], [2, 3]]), cache), CacheError,
             r"plan: expected a plan for a chunk of 2 tokens, got 1")
-    rejects(cache, lambda: run_ragged(model, cache, [[1], [2]]), CacheError,
+    rejected(cache, lambda: run_ragged(model, cache, [[1], [2]]), CacheError,
             r"plan: expected no plan pending before planned_pass")
 
 
@@ -412,13 +412,13 @@ def test_quantized_cache_rejects_bad_input_before_any_change():
     assert states_equal(before, cache.state())
     odd = GPT(CFG.with_(d_model=24, n_heads=4, n_kv_heads=2)).double().eval()  # D = 6
     fresh = QuantizedCache(CFG.n_layers, rotate=True)
-    rejects(fresh, lambda: odd(torch.tensor([[1, 2]]), fresh), CacheError,
+    rejected(fresh, lambda: odd(torch.tensor([[1, 2]]), fresh), CacheError,
             r"k: expected a head dim that is a power of two \(for the rotation\), got 6")
     cache = QuantizedCache(CFG.n_layers, rotate=True)
     run_chunks(model, cache, tokens(3, 0), [3])  # D = 8 first, then a model with D = 6
-    rejects(cache, lambda: odd(torch.tensor([[1, 2]]), cache), CacheError,
+    rejected(cache, lambda: odd(torch.tensor([[1, 2]]), cache), CacheError,
             r"k, v: expected Hkv=2 heads of D=8, as cached, got \(1, 2, 2, 6\)")
-    rejects(cache, lambda: make_model().float()(torch.tensor([[1]]), cache), CacheError,
+    rejected(cache, lambda: make_model().float()(torch.tensor([[1]]), cache), CacheError,
             r"dtype: expected the cache's dtype torch.float64, got torch.float32")
     with pytest.raises(CacheError, match=r"factor: expected a non-zero number, got 0"):
         with_key_outliers(model, 0)
