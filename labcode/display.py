@@ -26,7 +26,17 @@ def claim(value: float, bound: float, what: str = "rounding") -> str:
     belongs in a result file or in a hidden cell.
     """
     assert value <= bound, f"{what}: expected at most {bound:g}, got {value!r}"
-    return f"≤ {bound:.0e} ({what})".replace("e-0", "e-")
+    return f"≤ {bound_text(bound)} ({what})"
+
+
+def bound_text(bound: float) -> str:
+    """A tolerance as a page writes it: 1e-12, 1e-4 (not 1e-04)."""
+    return f"{bound:.0e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def within(value: float, bound: float, digits: int = 2) -> str:
+    """'≤1e-12' when `value` is at most `bound` (its digits are rounding and move between CPUs), else the value."""
+    return f"≤{bound_text(bound)}" if value <= bound else sig(value, digits)
 
 
 def sig(value: float, digits: int = 3) -> str:

@@ -34,6 +34,17 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def _normal_(p: torch.Tensor, std: float) -> None:
+    """Fill p with N(0, std^2) samples drawn in float64 from the global generator.
+
+    PyTorch samples float32 normals with vector kernels chosen by the CPU, whose last bits differ from
+    one CPU to the next; its float64 sampling does not. Drawing in float64 gives a seeded model the
+    same weights on every machine.
+    """
+    with torch.no_grad():
+        p.copy_(torch.empty(p.shape, dtype=torch.float64).normal_(0.0, std))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            dropout_p: float = 0.0) -> torch.Tensor:
     """Softmax attention; q [B, H, T, D], k and v [B, Hkv, S, D], mask [T, S] or None -> [B, H, T, D].
@@ -129,12 +140,12 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("out_proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+                _normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            _normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -64,12 +64,14 @@ def recorded(why: str) -> dict:
 REL_TOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def float_rule(dtype: torch.dtype | str) -> dict:
-    """The rule for a float computed in `dtype`: relative tolerance `REL_TOL[dtype]`."""
+def float_rule(dtype: torch.dtype | str, rounding: float = 0.0) -> dict:
+    """The rule for floats computed in `dtype`: relative tolerance `REL_TOL[dtype]`; with `rounding`, values
+    that are rounding noise (at most that bound, like the logit differences of an exact cache) compare
+    equal too, so one rule serves a list that holds both kinds."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if dtype not in REL_TOL:
         raise ValueError(f"dtype: expected one of {sorted(map(str, REL_TOL))}, got {dtype}")
-    return close(rel_tol=REL_TOL[dtype])
+    return close(abs_tol=rounding, rel_tol=REL_TOL[dtype])
 
 
 def rounding_rule(bound: float) -> dict:
@@ -237,13 +239,15 @@ def schema_errors(document: dict) -> list[str]:
               for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))]
     values, rules = document.get("values"), document.get("rules")
     if isinstance(values, dict) and isinstance(rules, dict) and set(values) != set(rules):
-        errors.append(f"rules: expected one rule per value, got values without a rule {sorted(set(values) - set(rules))} "
-                      f"and rules without a value {sorted(set(rules) - set(values))}")
+        unruled, orphans = sorted(set(values) - set(rules)), sorted(set(rules) - set(values))
+        errors.append(f"rules: expected one rule per value, got values without a rule {unruled} "
+                      f"and rules without a value {orphans}")
     return errors
 
 
-# The largest tolerance this course calls "rounding": float32 logits are held to 1e-4, float64 to 1e-12.
-ROUNDING_BOUND = 1e-4
+# The largest tolerance this course calls "rounding": float64 logits are held to 1e-12, float32 ones to 1e-4
+# (1e-3 for a 124M-parameter model in the benchmark record).
+ROUNDING_BOUND = 1e-3
 
 
 def shown(check: dict) -> str:

@@ -43,7 +43,7 @@ def _train(cfg: GPTConfig, steps: int, batch_size: int, lr: float, seed: int,
     losses = []
     model.train()
     for step in range(steps):
-        starts = torch.randint(0, len(data) - cfg.context_length - 1, (batch_size,), generator=gen)
+        starts = torch.randint(0, len(data) - cfg.context_length, (batch_size,), generator=gen)  # every start
         x = torch.stack([data[s : s + cfg.context_length] for s in starts])  # (B, T)
         y = torch.stack([data[s + 1 : s + cfg.context_length + 1] for s in starts])
         logits = model(x)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 venv="${KVCV_VENV:-.venv}"
 py="${PYTHON:-python3}"
-stamp="$venv/.kvcv-installed-$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)"
+stamp="$venv/.kvcv-installed-$("$py" -c 'import hashlib, sys; print(hashlib.sha256(open("requirements.lock", "rb").read() + open("pyproject.toml", "rb").read()).hexdigest()[:16])')"
 
 quiet_pip() {  # pip, without the per-package notes some machines' pip configs print
   "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v -E "^WARNING: Location .* is ignored" || true; }
@@ -26,7 +26,9 @@ if [ ! -e "$stamp" ]; then
   touch "$stamp"
 fi
 
-if [ ! -x /usr/bin/chromium ]; then
+if [ -n "${KVCV_CHROMIUM:-}" ]; then
+  echo "setup: the browser tests will drive $KVCV_CHROMIUM (KVCV_CHROMIUM)"
+elif [ ! -x /usr/bin/chromium ]; then
   if command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing Debian's chromium for the browser tests (about a minute)"
     sudo_cmd=""

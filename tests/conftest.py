@@ -34,7 +34,8 @@ STAGE = ROOT / "_build" / "test-source"  # the book's sources, with those execut
 # The portability pass (tests/test_portability.py) runs nbval again under other CPU kernels; its
 # executions are checked, never published.
 CAPTURE = os.environ.get("KVCV_PORTABILITY") != "1"
-CHROMIUM = Path("/usr/bin/chromium")
+# Debian's Chromium; KVCV_CHROMIUM names another Chromium-based browser (CI on macOS uses the runner's Chrome).
+CHROMIUM = Path(os.environ.get("KVCV_CHROMIUM") or "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",

@@ -58,3 +58,22 @@ def test_no_machine_paths_in_tracked_files():
         if pattern.search(text):
             offenders.append(name)
     assert offenders == [], offenders
+
+
+def test_ci_workflow_runs_the_test_command_where_readers_are_and_publishes_only_what_passed():
+    import yaml
+
+    workflows = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+    assert [w.name for w in workflows] == ["ci.yml"], "one workflow: test, then publish"
+    ci = yaml.safe_load(workflows[0].read_text())
+    triggers = ci[True] if True in ci else ci["on"]  # YAML reads a bare `on:` key as the boolean True
+    assert {"push", "pull_request"} <= set(triggers), triggers
+    test, publish = ci["jobs"]["test"], ci["jobs"]["publish"]
+    runs = [step.get("run", "") for step in test["steps"]]
+    assert "bash scripts/test.sh" in runs, runs
+    runners = {entry["runner"]: entry for entry in test["strategy"]["matrix"]["include"]}
+    assert any("arm" in r for r in runners) and any("arm" not in r and "macos" not in r for r in runners), runners
+    assert any(r.startswith("macos") for r in runners), "a macOS runner, or a note in the workflow why not"
+    assert publish["needs"] == "test" and "main" in publish["if"], publish
+    uploads = [s for s in test["steps"] if "upload-pages-artifact" in s.get("uses", "")]
+    assert uploads and uploads[0]["with"]["path"] == "_build/test-book/_build/html", "publish what the tests built"

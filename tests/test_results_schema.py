@@ -13,7 +13,16 @@ import jsonschema
 import pytest
 import torch
 
-from labcode.results import QAResult, close, exact, float_rule, recorded, rounding_rule, schema_errors, write_json_atomic
+from labcode.results import (
+    QAResult,
+    close,
+    exact,
+    float_rule,
+    recorded,
+    rounding_rule,
+    schema_errors,
+    write_json_atomic,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "qa" / "results.schema.json").read_text())

@@ -34,7 +34,7 @@ from labcode.checkpoint import default_device
 from labcode.config import get_config
 from labcode.flops import forward_flops, measure_flops
 from labcode.model import GPT
-from labcode.results import QAResult
+from labcode.results import QAResult, recorded
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,10 @@ SIZES = {
 }
 
 
+# Every value of the benchmark record is a measurement of the machine that ran it: recorded, never compared.
+TIMED = recorded("benchmark measurements of the machine that ran them")
+
+
 def random_model(preset: str, device: torch.device, seed: int = 0) -> GPT:
     """A model of `preset` with random weights, its wide weights stored by column (`bench.layout`), in eval mode;
     the global RNG is left as it was."""
@@ -99,7 +103,7 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
 
     res = QAResult("bench", {"mode": mode, "device": str(device), **asdict(sizes)}, machine_dependent=True)
     res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device),
-                          "matmul_flops_per_s": matmul_flops_per_s(device)})
+                          "matmul_flops_per_s": matmul_flops_per_s(device)}, TIMED)
     lap("machine")
     _append_benchmarks(res, sizes, device, progress)
     lap("append")
@@ -110,7 +114,7 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
         with _bar(rounds * new, f"generation {preset}", progress) as bar:
             generation[preset] = bench_generation(models[preset], prompt, new, rounds, progress=bar)
         generation[preset]["preset"] = preset
-    res.value("generation", generation)
+    res.value("generation", generation, TIMED)
     lap("generation")
     model = models.get(sizes.floor_preset) or random_model(sizes.floor_preset, device)
     streamer = Streamer(sizes.bandwidth_mbytes, device)
@@ -121,19 +125,19 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     floor["preset"], floor["device"] = sizes.floor_preset, device.type
     floor["products_only_max_logit_diff"] = products_only_diff(model, sizes.floor_positions[-1])
     floor["overhead"] = overhead_step(model, sizes.floor_positions[len(sizes.floor_positions) // 2])
-    res.value("floor", floor)
+    res.value("floor", floor, TIMED)
     shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n})
-    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2))
+    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2), TIMED)
     if sizes.profile_steps:
-        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps))
+        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), TIMED)
     del streamer, models, model
     lap("floor")
     _flop_checks(res)
     lap("flop_checks")
     _correctness_checks(res)
-    res.value("targets", targets(res.doc["values"]))
-    res.value("section_s", sections)
-    res.value("elapsed_s", time.perf_counter() - started)
+    res.value("targets", targets(res.doc["values"]), TIMED)
+    res.value("section_s", sections, TIMED)
+    res.value("elapsed_s", time.perf_counter() - started, TIMED)
     return res
 
 
@@ -143,11 +147,11 @@ def _append_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, progre
         setup = AppendSetup(name, prefill, sizes.append_decode, n_layers=sizes.append_layers)
         with _bar((sizes.append_rounds + 1) * setup.decode, f"append {name}", progress) as bar:
             append[name] = bench_append(setup, list(APPEND_KINDS), sizes.append_rounds, device, progress=bar)
-    res.value("append", append)
+    res.value("append", append, TIMED)
     setup = AppendSetup("candle", sizes.append_prefills[0], sizes.attention_decode, n_layers=sizes.append_layers)
     with _bar((sizes.attention_rounds + 1) * setup.decode, "append + attention", progress) as bar:
         res.value("append_attention", bench_append_attention(setup, ["cat", "slice"], sizes.attention_rounds,
-                                                             device, progress=bar))
+                                                             device, progress=bar), TIMED)
 
 
 def _flop_checks(res: QAResult) -> None:
