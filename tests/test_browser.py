@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import re
 from itertools import product
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
+import torch
 from conftest import toc_files
 from playwright.sync_api import Page
 
 from labcode.config import get_config
-from labcode.cost import kv_cache_bytes, kv_cache_elements, positions_computed
+from labcode.cost import kv_cache_bytes, kv_cache_elements, positions_computed, quantized_kv_cache_bytes
+from labcode.engines.quant import QuantizedCache
 from labcode.generate import new_token_budget
 
 PAGES = toc_files()
@@ -80,6 +82,7 @@ def test_page_loads_cleanly_with_maths_and_images(page: Page, book_server, doc):
     )
     assert not broken, f"{doc}: images that did not load: {broken}"
     watch.assert_clean(doc)
+    measure(page, doc)  # for the layout tests below, while the page is open
 
 
 def test_maths_is_typeset_on_the_explorer_page(page: Page, book_server):
@@ -119,6 +122,28 @@ def test_search_finds_a_word_from_a_chapter(page: Page, book_server):
     watch.assert_clean("search")
 
 
+def test_search_summaries_are_article_text_without_latex(page: Page, book_server):
+    """The passage under each search result comes from the article (not the toolbar or the page's
+    "Contents" sidebar) and shows maths as text, not LaTeX source (book/_static/kvcv.js)."""
+    watch = Watch(page)
+    outside = r"Contents\s+\d+\.\d+\.|Print to PDF|Download source|\.ipynb\s+\.pdf"
+    for term in ("cache", "softmax"):
+        page.goto(f"{book_server}search.html?q={term}", wait_until="load")
+        results = page.locator("#search-results ul.search li")
+        results.first.wait_for(timeout=20000)
+        n = results.count()
+        assert n >= 3, f"searching {term!r} found only {n} pages"
+        page.wait_for_function(
+            "n => document.querySelectorAll('#search-results ul.search li p.context').length >= n", arg=n, timeout=30000
+        )
+        summaries = results.locator("p.context").all_inner_texts()
+        latex = [t for t in summaries if re.search(r"\\[(\[]|\\[a-zA-Z]{2,}\{|\$\$", t)]
+        chrome = [t for t in summaries if re.search(outside, t)]
+        assert not latex, f"{term!r}: search summaries show LaTeX source: {latex[:3]}"
+        assert not chrome, f"{term!r}: search summaries show text from outside the article: {chrome[:3]}"
+    watch.assert_clean("search summaries")
+
+
 def test_solutions_are_hidden_until_clicked(page: Page, book_server):
     if not CHAPTERS:
         pytest.skip("no chapter notebooks in _toc.yml yet")
@@ -138,6 +163,253 @@ def test_solutions_are_hidden_until_clicked(page: Page, book_server):
             opened += 1
         watch.assert_clean(doc)
     assert opened >= 1, "no chapter has an exercise solution in a dropdown"
+
+
+# ---- everything fits: code, outputs, tables and equations; figures with alt text and captions ----
+
+DESKTOP, PHONE = 1280, 390
+
+# One pass over a page's article (with every folded cell unfolded; a closed dropdown's content is
+# laid out at full width already): every code block, output, table and equation that is wider than
+# the box that holds it, and how that box deals with it. A box that clips it fails; a box that
+# scrolls sideways passes only if it shows that it does (the scroll shadows of book/_static/kvcv.css:
+# phones hide scrollbars until touched) and, with `mustFit` (the desktop width), only if it is not a
+# notebook code cell or a table, which must fit the column outright. Whatever is left must lie
+# inside the text column.
+OVERFLOW_JS = r"""
+(mustFitOnThisScreen) => {
+  const article = document.querySelector("article.bd-article");
+  if (!article) return [];
+  article.querySelectorAll("details").forEach((d) => { d.open = true; }); // code a reader may unfold
+  const px = (v) => parseFloat(v) || 0;
+  const acs = getComputedStyle(article);
+  const ar = article.getBoundingClientRect();
+  const colLeft = ar.left + px(acs.borderLeftWidth) + px(acs.paddingLeft);
+  const colRight = ar.right - px(acs.borderRightWidth) - px(acs.paddingRight);
+  const KINDS = [
+    ["code", "div.cell_input pre"],
+    ["code", "pre:not(div.cell_input pre, div.cell_output pre)"],
+    ["output", "div.cell_output pre, div.cell_output .output:not(:has(pre))"],
+    ["table", "table"],
+    ["equation", "mjx-container"],
+  ];
+  const tex = (e) => {
+    try { return window.MathJax.startup.document.getMathItemsWithin(e)[0].math; } catch (err) { return e.textContent; }
+  };
+  const describe = (kind, e) => {
+    const section = e.closest("section[id]");
+    const raw = kind === "equation" ? tex(e)
+      : kind === "table" ? [...e.querySelectorAll("th")].map((t) => t.textContent.trim()).join(" | ") || e.textContent
+      : e.textContent;
+    const text = raw.replace(/\s+/g, " ").trim();
+    const short = text.length > 70 ? text.slice(0, 70) + "..." : text;
+    return (section ? "#" + section.id + " " : "") + JSON.stringify(short);
+  };
+  const afforded = (n) => {
+    const cs = getComputedStyle(n);
+    return /gradient/.test(cs.backgroundImage) && /local/.test(cs.backgroundAttachment);
+  };
+  const found = [];
+  const seen = new Set();
+  for (const [kind, selector] of KINDS) {
+    for (const e of article.querySelectorAll(selector)) {
+      if (seen.has(e) || !e.getClientRects().length) continue; // counted already, or not laid out
+      seen.add(e);
+      const mustFit = mustFitOnThisScreen && (kind === "table" || (kind === "code" && e.closest("div.cell_input")));
+      const report = (problem, need, have) =>
+        found.push({ kind, where: describe(kind, e), problem, need: Math.round(need), have: Math.round(have) });
+      let right = null; // right edge of what the reader sees of e
+      let reported = false;
+      for (let n = e; n && n !== article; n = n.parentElement) {
+        const r = n.getBoundingClientRect();
+        const inner = r.left + n.clientLeft;
+        // MathJax's hidden MathML copy inflates scrollWidth: measure the typeset maths itself.
+        const typeset = n === e && kind === "equation" ? e.querySelector("mjx-math") : null;
+        const extent = typeset ? typeset.getBoundingClientRect().right + n.scrollLeft
+          : n === e ? inner + n.scrollWidth : right;
+        if (extent <= inner + n.clientWidth + 1) {
+          if (n === e) right = r.right;
+          continue;
+        }
+        const ox = getComputedStyle(n).overflowX;
+        if (ox === "hidden" || ox === "clip") {
+          report("is cut off", extent - inner, n.clientWidth);
+          reported = true;
+          break;
+        }
+        if (ox === "auto" || ox === "scroll") {
+          if (mustFit) report("scrolls sideways", extent - inner, n.clientWidth);
+          else if (!afforded(n)) report("scrolls with nothing to show that it does", extent - inner, n.clientWidth);
+          else { right = r.right; continue; }
+          reported = true;
+          break;
+        }
+        right = extent; // it spills out of n: compare with the next box up
+      }
+      if (!reported && right > colRight + 1) {
+        report("is wider than the text column", right - colLeft, colRight - colLeft);
+      }
+    }
+  }
+  return found;
+}
+"""
+
+# Every image in the article: its alt text and its figure caption (number and text).
+IMAGES_JS = r"""
+() => [...document.querySelectorAll("article.bd-article img")].map((img) => {
+  const figure = img.closest("figure");
+  const caption = figure ? figure.querySelector("figcaption") : null;
+  const number = caption ? caption.querySelector(".caption-number") : null;
+  const section = img.closest("section[id]");
+  return {
+    src: img.getAttribute("src") || "",
+    alt: img.getAttribute("alt"),
+    where: section ? "#" + section.id : "",
+    caption: caption ? caption.textContent.replace(/\s+/g, " ").replace(/#$/, "").trim() : null,
+    number: number ? number.textContent.trim() : null,
+  };
+})
+"""
+
+FIX_HINTS = {
+    "scrolls sideways": "format the notebook's code to 88 columns (ruff format), show tables with "
+    "labcode.display.show_table and keep them to what fits",
+    "is cut off": "something clips it: give its box overflow-x: auto with the kvcv-scroll class, or make it narrower",
+    "scrolls with nothing to show that it does": "give the scrolling box the kvcv-scroll class (book/_static/kvcv.css)",
+    "is wider than the text column": "make it narrower, or put it in a box with the kvcv-scroll class",
+}
+
+
+_MEASURED: dict[str, dict] = {}  # page -> what measure() found; filled by the first test that loads the page
+
+
+def measure(page: Page, doc: str) -> None:
+    """Measure a loaded page (maths typeset) at the desktop width and, resized without a second
+    load, at the phone width; keep what was found in _MEASURED for the tests below."""
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
+    found = {"images": page.evaluate(IMAGES_JS), DESKTOP: page.evaluate(OVERFLOW_JS, True)}
+    page.set_viewport_size({"width": PHONE, "height": 844})
+    found[PHONE] = page.evaluate(OVERFLOW_JS, False)
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
+    _MEASURED[doc] = found
+
+
+@pytest.fixture(scope="module")
+def measured_pages(browser, book_server) -> dict[str, dict]:
+    """Every page's measurements: test_page_loads_cleanly_with_maths_and_images takes them while it
+    has the page open; a page it did not measure (deselected, or failed) is loaded here."""
+    missing = [doc for doc in PAGES if doc not in _MEASURED]
+    if missing:
+        context = browser.new_context(viewport={"width": DESKTOP, "height": 900})
+        try:
+            page = context.new_page()
+            for doc in missing:
+                open_page(page, book_server, doc)
+                wait_for_maths(page)
+                measure(page, doc)
+        finally:
+            context.close()
+    return {doc: _MEASURED[doc] for doc in PAGES}
+
+
+@pytest.mark.parametrize("width", [DESKTOP, PHONE])
+def test_nothing_is_wider_than_its_column(measured_pages, width):
+    """At 1280 px notebook code and tables fit the column; at both widths no code, output, table or
+    equation is cut off, runs out of the column, or scrolls without showing that it does."""
+    lines, problems, pages = [], set(), 0
+    for doc, found in measured_pages.items():
+        if found[width]:
+            pages += 1
+            lines.append(f"{doc}.html")
+            for f in found[width]:
+                problems.add(f["problem"])
+                lines.append(f"  {f['kind']} {f['where']} {f['problem']}: needs {f['need']} px, has {f['have']} px")
+    n = sum(len(found[width]) for found in measured_pages.values())
+    hints = [f"  {p}: {FIX_HINTS[p]}" for p in sorted(problems)]
+    assert not n, (
+        f"at {width} px, {n} elements on {pages} pages do not fit their column:\n"
+        + "\n".join(lines)
+        + "\nto fix:\n"
+        + "\n".join(hints)
+    )
+
+
+def _alt_text_problem(image: dict) -> str | None:
+    alt = (image["alt"] or "").strip()
+    name = image["src"].rsplit("/", 1)[-1]
+    if not alt:
+        return "has no alt text"
+    if "/" in alt or alt.endswith(name) or re.search(r"\.(png|jpe?g|svg|gif|webp)$", alt, flags=re.I):
+        return "has its file path for alt text"
+    if len(alt.split()) < 4:
+        return f"has an alt text too short to describe a figure ({alt!r})"
+    return None
+
+
+def test_every_image_has_alt_text_and_a_numbered_caption(measured_pages):
+    """Every image on every page describes itself to a screen reader and carries a numbered caption
+    (myst-nb: cell metadata "mystnb": {"figure": {"caption", "name"}, "image": {"alt"}}, or glue:figure)."""
+    lines, total, bad = [], 0, 0
+    for doc, found in measured_pages.items():
+        page_lines = []
+        for image in found["images"]:
+            total += 1
+            problems = [p for p in [_alt_text_problem(image)] if p]
+            if image["caption"] is None:
+                problems.append("has no caption (no figure caption element)")
+            elif not image["number"]:
+                problems.append("has a caption without a number (give the figure a name)")
+            elif len(image["caption"]) <= len(image["number"]) + 2:
+                problems.append("has an empty caption")
+            if problems:
+                bad += 1
+                name = image["src"].rsplit("/", 1)[-1][:16]
+                page_lines.append(f"  image {name}... {image['where']}: " + "; ".join(problems))
+        if page_lines:
+            lines += [f"{doc}.html", *page_lines]
+    assert not bad, (
+        f"{bad} of {total} images lack a real alt text or a numbered caption:\n"
+        + "\n".join(lines)
+        + '\nto fix: cell metadata "mystnb": {"figure": {"caption": ..., "name": ...}, "image": {"alt": ...}} '
+        "(labcode.plotting.caption_metadata), or glue the figure and show it with {glue:figure} and :alt:"
+    )
+
+
+def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):
+    """The layout gives notebook code 88 columns at 1280 px (whatever today's notebooks hold), and a
+    wide table scrolls inside its wrapper, with its scroll shadows, on a phone."""
+    doc = CHAPTERS[0] if CHAPTERS else "book/running"
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
+    open_page(page, book_server, doc)
+    widths = page.evaluate(
+        """() => {
+            const pre = document.querySelector("div.cell_input pre") || document.querySelector("article pre");
+            const probe = document.createElement("span");
+            probe.textContent = "M".repeat(88);
+            pre.appendChild(probe);
+            const need = probe.getBoundingClientRect().width;
+            probe.remove();
+            const cs = getComputedStyle(pre);
+            return [need, pre.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight)];
+        }"""
+    )
+    assert widths[0] <= widths[1], f"88 columns of code need {widths[0]:.0f} px; a code cell has {widths[1]:.0f} px"
+
+    # A show_table table of twelve number columns, as labcode.display.show_table writes it.
+    header = "".join(f'<th class="kvcv-r">column {i}</th>' for i in range(12))
+    row = "".join(f'<td class="kvcv-r">{10**i:,}</td>' for i in range(12))
+    html = (f'<div class="kvcv-table-wrap"><table class="table kvcv-table"><thead><tr>{header}</tr></thead>'
+            f"<tbody><tr>{row}</tr></tbody></table></div>")
+    page.set_viewport_size({"width": PHONE, "height": 844})
+    page.evaluate("html => document.querySelector('article.bd-article h1').insertAdjacentHTML('afterend', html)", html)
+    wrap = page.evaluate(
+        """() => { const w = document.querySelector(".kvcv-table-wrap");
+                   return [w.scrollWidth, w.clientWidth, w.getBoundingClientRect().right, window.innerWidth]; }"""
+    )
+    assert wrap[0] > wrap[1] and wrap[2] <= wrap[3], f"the table does not scroll inside its wrapper: {wrap}"
+    problems = [f for f in page.evaluate(OVERFLOW_JS, False) if "column 0" in f["where"]]
+    assert not problems, problems
 
 
 # ---- the explorer ----------------------------------------------------------------------------
@@ -176,6 +448,22 @@ def test_explorer_functions_match_labcode(page: Page, book_server):
     )
     py = [[kv_cache_elements(n, b, t, h, d), kv_cache_bytes(n, b, t, h, d, s)] for n, b, t, h, d, s in grid]
     assert js == py
+
+    # int8: codes and one float32 scale per position and head (per group, with groups), as
+    # labcode.engines.quant.QuantizedCache stores them.
+    qgrid = list(product([1, 12], [1, 3], [0, 1, 9], [1, 4], [16, 64], [None, 8]))
+    js = page.evaluate(
+        "grid => grid.map(([l, b, t, h, d, g]) => window.KVExplorer.quantizedCacheBytes(l, b, t, h, d, g))", qgrid
+    )
+    assert js == [quantized_kv_cache_bytes(*args) for args in qgrid]
+    for n_layers, batch, tokens, heads, head_dim, group in [(12, 1, 9, 4, 64, None), (2, 3, 5, 2, 16, 8)]:
+        cache = QuantizedCache(n_layers, group_size=group)
+        cache.begin((batch, heads, tokens, head_dim), torch.float32, "cpu")  # one pass, as the model makes it
+        for layer in range(n_layers):
+            k = torch.randn(batch, heads, tokens, head_dim, generator=torch.Generator().manual_seed(layer))
+            cache.append(layer, k, -k)
+        cache.end()
+        assert cache.nbytes == quantized_kv_cache_bytes(n_layers, batch, tokens, heads, head_dim, group)
 
     runs = list(product([1, 3, 6, 24], [0, 1, 2, 9], [True, False]))
     js = page.evaluate("runs => runs.map(([p, n, c]) => window.KVExplorer.positionsComputed(p, n, c))", runs)
@@ -383,4 +671,130 @@ def test_explorer_edge_cases(page: Page, book_server):
         assert stop.is_visible() and "Nothing to generate" in stop.inner_text()
         assert page.locator('[data-kv-explorer] [data-kvx="next"]').is_disabled()
         assert value(page, "bytes-total") == 0 and value(page, "cum-uncached") == 0
+
+    # One requested token: one forward call, and a sentence in the singular.
+    choose(page, "context", 64)
+    choose(page, "newTokens", 1)
+    assert stop.is_visible() and stop.inner_text() == "Done: the one requested token generated."
     watch.assert_clean("explorer edge cases")
+
+
+def test_explorer_counts_int8_scales(page: Page, book_server):
+    """"int8 + scale" holds what chapter 9's QuantizedCache holds: D + 4 bytes per position and head
+    (codes and one float32 scale), so (D + 4) / (4 D) of float32, as qa/engines checks; sizes are
+    shown to three significant digits."""
+    watch = explorer(page, book_server)
+    model = get_config("gpt2-124m")
+    L, D = model.n_layers, model.head_dim
+    choose(page, "prompt", 6)
+    choose(page, "kvHeads", 4)
+    choose(page, "batch", 2)
+    page.locator('[data-kv-explorer] [data-kvx="last"]').click()
+    tokens = value(page, "cache-tokens")
+    choose(page, "bytes", 4)
+    float32 = value(page, "bytes-total")
+    assert float32 == kv_cache_bytes(L, 2, tokens, 4, D, 4)
+    choose(page, "bytes", 1)
+    int8 = value(page, "bytes-total")
+    assert int8 == quantized_kv_cache_bytes(L, 2, tokens, 4, D) == 2 * L * 2 * tokens * 4 * (D + 4)
+    assert value(page, "bytes-total") / float32 == (D + 4) / (4 * D)
+    assert value(page, "bytes-layer") == quantized_kv_cache_bytes(1, 2, tokens, 4, D)
+    assert value(page, "bytes-limit") == quantized_kv_cache_bytes(L, 2, 32, 4, D)  # the 32-row position table
+    assert f"(D + 4) = 2 × 2 × {L} × 4 × {tokens} × ({D} + 4) = {value(page, 'bytes-total'):,} bytes" in shown(
+        page, "formula"
+    )
+
+    # Sizes side by side read alike: 36.0 MiB next to 1.13 MiB, not 36.00 MiB.
+    sizes = [1000, 1024, 4915, 58752, 208896, 1048575, 1185792, 37748736, 3 * 2**30 + 2**29]
+    texts = page.evaluate("sizes => sizes.map(window.KVExplorer.formatBytes)", sizes)
+    assert texts[0] == "1,000 B"
+    for size, text in zip(sizes[1:], texts[1:], strict=True):
+        m = re.fullmatch(r"(\d\.\d\d|\d\d\.\d|\d\d\d) (KiB|MiB|GiB)", text)
+        assert m, f"{size} bytes shown as {text!r}"
+        scale = 1024 ** (["KiB", "MiB", "GiB"].index(m[2]) + 1)
+        assert abs(float(m[1]) * scale - size) <= 0.005 * size, f"{size} bytes shown as {text!r}"
+    choose(page, "batch", 1)
+    choose(page, "kvHeads", 12)
+    choose(page, "context", 1024)
+    choose(page, "bytes", 2)
+    assert shown(page, "bytes-limit") == "36.0 MiB"
+    watch.assert_clean("explorer int8")
+
+
+def _explorer_state(page: Page) -> dict:
+    return page.evaluate(
+        """() => ({
+            selects: Object.fromEntries([...document.querySelectorAll('[data-kv-explorer] select')]
+                .map(s => [s.dataset.kvxSetting, s.value])),
+            cache: document.querySelector('[data-kv-explorer] [data-kvx="cache-toggle"]').getAttribute('aria-pressed'),
+            status: document.querySelector('[data-kv-explorer] [data-kvx="status"]').textContent,
+            bytes: document.querySelector('[data-kv-explorer] [data-kvx="bytes-total"]').dataset.value,
+        })"""
+    )
+
+
+def test_explorer_keeps_its_settings_in_the_address(page: Page, book_server):
+    """The address holds the settings and the step: a reload restores them, the address can be shared,
+    a change replaces the history entry (Back leaves the page) and Back/Forward return to the same view."""
+    watch = open_page(page, book_server, "book/glossary")
+    explorer(page, book_server)
+    history = page.evaluate("() => history.length")
+    choose(page, "prompt", 6)
+    choose(page, "kvHeads", 4)
+    choose(page, "bytes", 1)
+    choose(page, "window", 4)
+    page.locator('[data-kv-explorer] [data-kvx="next"]').click()
+    page.locator('[data-kv-explorer] [data-kvx="next"]').click()
+    page.keyboard.press("c")
+    query = dict(parse_qsl(urlsplit(page.url).query))
+    assert query == {"prompt": "6", "kv": "4", "type": "int8", "window": "4", "cache": "off", "step": "2"}, page.url
+    assert page.evaluate("() => history.length") == history, "each change added a history entry"
+    before = _explorer_state(page)
+    assert "Forward call 3 of 8" in before["status"] and before["cache"] == "false"
+
+    page.reload(wait_until="load")
+    page.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    assert _explorer_state(page) == before, "a reload lost the settings"
+
+    # Another page and back: the same view; Back once more leaves for the page before the explorer.
+    page.locator("article.bd-article a[href*='glossary.html']").first.click()
+    page.wait_for_url("**/glossary.html**")
+    page.go_back(wait_until="load")
+    page.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    assert _explorer_state(page) == before, "Back did not return to the same settings"
+    page.go_back(wait_until="load")
+    assert urlsplit(page.url).path.endswith("/book/glossary.html"), page.url
+
+    # A shared address opens the same view in a fresh page; unknown values keep their defaults.
+    fresh = page.context.new_page()
+    fresh.goto(f"{book_server}book/explorer.html?" + urlencode(query), wait_until="load")
+    fresh.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    assert _explorer_state(fresh) == before, "a shared address did not restore the view"
+    fresh.goto(f"{book_server}book/explorer.html?prompt=999&kv=5&type=int4&step=x&batch=2", wait_until="load")
+    fresh.locator("[data-kv-explorer] .kvx-strip").wait_for()
+    state = _explorer_state(fresh)
+    defaults = fresh.evaluate("() => window.KVExplorer.DEFAULTS")
+    assert state["selects"]["prompt"] == str(defaults["prompt"]) and state["selects"]["kvHeads"] == str(
+        defaults["kvHeads"]
+    )
+    assert state["selects"]["bytes"] == str(defaults["bytes"]) and state["selects"]["batch"] == "2"
+    assert dict(parse_qsl(urlsplit(fresh.url).query)) == {"batch": "2"}, "the address was not cleaned up"
+    fresh.close()
+    watch.assert_clean("explorer address")
+
+
+def test_explorer_step_buttons_never_leave_one_alone(page: Page, book_server):
+    """"Last »" never wraps onto a row of its own: one row of four, or two rows of two."""
+    explorer(page, book_server)
+    for width in (DESKTOP, PHONE):
+        page.set_viewport_size({"width": width, "height": 900})
+        rows = page.evaluate(
+            """() => { const rows = {};
+                       for (const b of document.querySelectorAll('[data-kv-explorer] .kvx-nav .kvx-btn')) {
+                         const top = Math.round(b.getBoundingClientRect().top);
+                         (rows[top] = rows[top] || []).push(b.textContent.trim());
+                       }
+                       return Object.values(rows); }"""
+        )
+        assert sum(map(len, rows)) == 4 and all(len(r) >= 2 for r in rows), f"at {width} px the buttons sit {rows}"
+        assert all(len(r) == len(rows[0]) for r in rows), f"at {width} px the rows are uneven: {rows}"

@@ -1,12 +1,14 @@
 /* The KV-cache explorer of "KV Cache, Verified".
  *
  * Plain JavaScript, no dependencies, no network. The counting functions mirror
- * labcode/cost.py (kv_cache_elements, kv_cache_bytes, positions_computed) and
- * labcode/generate.py (new_token_budget) argument for argument; the browser tests call
- * window.KVExplorer and compare the results with the Python functions.
+ * labcode/cost.py (kv_cache_elements, kv_cache_bytes, quantized_kv_cache_bytes,
+ * positions_computed) and labcode/generate.py (new_token_budget) argument for argument; the
+ * browser tests call window.KVExplorer and compare the results with the Python functions.
  *
  * The widget mounts on every element with the attribute data-kv-explorer; the script is
- * loaded on every page and does nothing where there is none.
+ * loaded on every page and does nothing where there is none. The first explorer on a page keeps
+ * its settings in the page's address (?prompt=6&kv=4...), so that a reload restores them and
+ * the address can be shared; it replaces the history entry rather than adding one per change.
  */
 (function () {
   "use strict";
@@ -20,6 +22,20 @@
 
   function cacheBytes(nLayers, batch, tokens, nKvHeads, headDim, bytesPerElement) {
     return cacheElements(nLayers, batch, tokens, nKvHeads, headDim) * bytesPerElement;
+  }
+
+  function quantizedCacheBytes(nLayers, batch, tokens, nKvHeads, headDim, groupSize) {
+    // int8 codes (1 byte each) plus one float32 scale (4 bytes) per group of each token's head
+    // vector; a group is the whole head vector by default: D + 4 bytes per token and head.
+    var group = groupSize === undefined || groupSize === null ? headDim : groupSize;
+    return 2 * nLayers * batch * tokens * nKvHeads * (headDim + 4 * (headDim / group));
+  }
+
+  // Bytes held for `tokens` positions under settings s: dense for float32 and float16, codes and
+  // scales for int8 (as chapter 9's QuantizedCache stores them).
+  function heldBytes(s, nLayers, tokens) {
+    if (s.bytes === 1) return quantizedCacheBytes(nLayers, s.batch, tokens, s.kvHeads, MODEL.headDim);
+    return cacheBytes(nLayers, s.batch, tokens, s.kvHeads, MODEL.headDim, s.bytes);
   }
 
   function positionsComputed(promptLen, newTokens, cached) {
@@ -59,6 +75,48 @@
     batch: [1, 2, 4, 8],
   };
   var DEFAULTS = { prompt: 4, newTokens: 8, context: 32, window: 0, kvHeads: 12, bytes: 2, batch: 1, cache: true };
+
+  // The address keeps the settings under these names; element types by name.
+  var QUERY = {
+    prompt: "prompt", newTokens: "new", context: "rows", window: "window", kvHeads: "kv", bytes: "type",
+    batch: "batch",
+  };
+  var TYPES = { 4: "float32", 2: "float16", 1: "int8" };
+
+  /* Settings (and step) from a query string such as "?prompt=6&type=int8&cache=off&step=3"; a
+   * missing or unknown value keeps its default. */
+  function settingsFromQuery(search) {
+    var params = new URLSearchParams(search || "");
+    var s = Object.assign({}, DEFAULTS);
+    Object.keys(QUERY).forEach(function (key) {
+      var raw = params.get(QUERY[key]);
+      if (raw === null) return;
+      var value = NaN;
+      if (key === "bytes") {
+        Object.keys(TYPES).forEach(function (b) {
+          if (TYPES[b] === raw) value = Number(b);
+        });
+      } else if (/^[0-9]+$/.test(raw)) {
+        value = parseInt(raw, 10);
+      }
+      if (OPTIONS[key].indexOf(value) >= 0) s[key] = value;
+    });
+    s.cache = params.get("cache") !== "off";
+    var step = params.get("step");
+    return { settings: s, step: step !== null && /^[0-9]+$/.test(step) ? parseInt(step, 10) : 0 };
+  }
+
+  /* The query string for settings s at `step`: only what differs from the defaults. */
+  function queryFromSettings(s, step) {
+    var params = new URLSearchParams();
+    Object.keys(QUERY).forEach(function (key) {
+      if (s[key] !== DEFAULTS[key]) params.set(QUERY[key], key === "bytes" ? TYPES[s[key]] : String(s[key]));
+    });
+    if (!s.cache) params.set("cache", "off");
+    if (step > 0) params.set("step", String(step));
+    var text = params.toString();
+    return text ? "?" + text : "";
+  }
 
   function range(a, b) {
     var xs = [];
@@ -112,8 +170,8 @@
     v.cumCached = sum(perCached);
     v.cumUncached = sum(perUncached);
     v.perCall = { cached: perCached, uncached: perUncached };
-    v.bytesPerLayer = cacheBytes(1, s.batch, v.cacheTokens, s.kvHeads, MODEL.headDim, s.bytes);
-    v.bytesTotal = cacheBytes(MODEL.nLayers, s.batch, v.cacheTokens, s.kvHeads, MODEL.headDim, s.bytes);
+    v.bytesPerLayer = heldBytes(s, 1, v.cacheTokens);
+    v.bytesTotal = heldBytes(s, MODEL.nLayers, v.cacheTokens);
     v.isLast = k === n - 1;
     return v;
   }
@@ -130,11 +188,18 @@
     return Math.round(x).toLocaleString("en-US");
   }
 
+  // Three significant digits in every unit, so that neighbouring sizes read alike (36.0 MiB, 1.13 MiB).
   function fmtBytes(b) {
     if (b < 1024) return fmtInt(b) + " B";
-    if (b < 1024 * 1024) return (b / 1024).toFixed(1) + " KiB";
-    if (b < 1024 * 1024 * 1024) return (b / (1024 * 1024)).toFixed(2) + " MiB";
-    return (b / (1024 * 1024 * 1024)).toFixed(2) + " GiB";
+    var units = ["KiB", "MiB", "GiB", "TiB"];
+    var x = b / 1024;
+    var i = 0;
+    while (x >= 999.5 && i < units.length - 1) {
+      x /= 1024;
+      i++;
+    }
+    var digits = x >= 99.95 ? 0 : x >= 9.995 ? 1 : 2;
+    return x.toFixed(digits) + " " + units[i];
   }
 
   function attentionKind(kv) {
@@ -185,10 +250,21 @@
   function Explorer(root, index) {
     this.root = root;
     this.id = "kvx" + index;
-    this.settings = Object.assign({}, DEFAULTS);
-    this.step = 0;
+    this.keepsAddress = index === 0 && !!(window.history && window.history.replaceState);
+    var start = this.keepsAddress ? settingsFromQuery(window.location.search) : { settings: DEFAULTS, step: 0 };
+    this.settings = Object.assign({}, start.settings);
+    this.step = start.step;
     this.build();
     this.render();
+    var self = this;
+    if (this.keepsAddress) {
+      // Back and Forward across the page's own anchors: the address's settings, whatever they are.
+      window.addEventListener("popstate", function () {
+        var now = settingsFromQuery(window.location.search);
+        self.step = now.step;
+        self.set(now.settings);
+      });
+    }
   }
 
   Explorer.prototype.build = function () {
@@ -214,8 +290,8 @@
       ["kvHeads", "KV heads Hkv", OPTIONS.kvHeads, function (x) {
         return x + (x === MODEL.nHeads ? " (MHA)" : x === 1 ? " (MQA)" : " (GQA)");
       }],
-      ["bytes", "Bytes per element", OPTIONS.bytes, function (x) {
-        return x + (x === 4 ? " (float32)" : x === 2 ? " (float16)" : " (int8)");
+      ["bytes", "Stored as", OPTIONS.bytes, function (x) {
+        return x === 4 ? "float32 (4 B)" : x === 2 ? "float16 (2 B)" : "int8 + scale";
       }],
       ["batch", "Batch size B", OPTIONS.batch],
     ];
@@ -398,6 +474,17 @@
     this.renderStrip(v);
     this.renderStatus(s, v);
     this.renderNumbers(s, v);
+    this.writeAddress();
+  };
+
+  // Keep the settings in the address: a reload restores them and the address can be shared. The
+  // current history entry is replaced, so Back still leaves the page instead of undoing settings.
+  Explorer.prototype.writeAddress = function () {
+    if (!this.keepsAddress) return;
+    var query = queryFromSettings(this.settings, this.step);
+    if (query === window.location.search) return;
+    var url = window.location.pathname + query + window.location.hash;
+    window.history.replaceState(window.history.state, "", url);
   };
 
   Explorer.prototype.renderStrip = function (v) {
@@ -461,7 +548,8 @@
           "generated tokens now fill all " + s.context + " rows of the position table, and a new position " +
           "would have no row. A cache window does not lift this limit.";
       } else {
-        stop.textContent = "Done: all " + s.newTokens + " requested tokens generated.";
+        stop.textContent = s.newTokens === 1 ? "Done: the one requested token generated." :
+          "Done: all " + s.newTokens + " requested tokens generated.";
       }
       stop.hidden = false;
     }
@@ -489,7 +577,7 @@
     var bytesTotal = v.calls ? v.bytesTotal : 0;
     // The most this cache ever holds: every row of the position table, or W rows with a window.
     var maxTokens = !s.cache ? 0 : s.window > 0 ? Math.min(s.context, s.window) : s.context;
-    var limit = cacheBytes(MODEL.nLayers, s.batch, maxTokens, s.kvHeads, MODEL.headDim, s.bytes);
+    var limit = heldBytes(s, MODEL.nLayers, maxTokens);
     this.limitNote.textContent = !s.cache ? "no cache" : "T = " + maxTokens +
       (s.window > 0 && s.window < s.context ? " (the window)" : " (the position table)");
     setValue(this.m["cache-tokens"], v.cacheTokens);
@@ -500,6 +588,11 @@
     if (!s.cache) {
       this.formula.textContent = "No cache is kept between calls, so nothing is held; each call still " +
         "builds its keys and values temporarily.";
+    } else if (s.bytes === 1) {
+      this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 (D + 4) = 2 \u00D7 " +
+        s.batch + " \u00D7 " + MODEL.nLayers + " \u00D7 " + s.kvHeads + " \u00D7 " + v.cacheTokens + " \u00D7 (" +
+        MODEL.headDim + " + 4) = " + fmtInt(bytesTotal) + " bytes: a one-byte code per element, and a " +
+        "four-byte float32 scale per position and head.";
     } else {
       this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 D \u00D7 bytes = 2 \u00D7 " +
         s.batch + " \u00D7 " + MODEL.nLayers + " \u00D7 " + s.kvHeads + " \u00D7 " + v.cacheTokens + " \u00D7 " +
@@ -521,9 +614,12 @@
     DEFAULTS: DEFAULTS,
     cacheElements: cacheElements,
     cacheBytes: cacheBytes,
+    quantizedCacheBytes: quantizedCacheBytes,
     positionsComputed: positionsComputed,
     newTokenBudget: newTokenBudget,
     stepView: stepView,
+    settingsFromQuery: settingsFromQuery,
+    queryFromSettings: queryFromSettings,
     formatBytes: fmtBytes,
     instances: [],
   };
