@@ -139,3 +139,68 @@ def measure_memory(fn: Callable, *args, **kwargs) -> dict:
         out = fn(*args, **kwargs)
     del out
     return {"largest": tracker.largest, "peak": tracker.peak}
+
+
+# -- Flash-Decoding: split the keys, compute the splits independently, merge with log-sum-exp ----------------------
+
+def attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None,
+                      *, accum_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention over one split of the keys: (output o, max m, sum l), [B, H, T, D], [B, H, T, 1], [B, H, T, 1].
+
+    q [B, H, T, D]; k, v [B, Hkv, s, D] (the split); visible [T, s] or None. o is this split's
+    softmax-weighted average of its values, m its largest score, l = sum exp(score - m).
+    All three are in the accumulation dtype (float32 for half-precision inputs). A query that
+    sees no key of the split gets m = -inf, l = 0, o = 0: it weighs nothing in the merge.
+    """
+    acc_dtype = accum_dtype or (torch.float32 if q.dtype in HALF else q.dtype)
+    b, h, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, (h // hkv) * t, d).to(acc_dtype) * (1.0 / math.sqrt(d))  # (B, Hkv, G*T, D)
+    scores = qg @ k.to(acc_dtype).transpose(-2, -1)  # (B, Hkv, G*T, s)
+    if visible is not None:
+        scores = scores.view(b, hkv, -1, t, s).masked_fill(~visible, float("-inf")).view_as(scores)
+    m = scores.amax(dim=-1, keepdim=True)  # (B, Hkv, G*T, 1)
+    p = torch.exp(scores - m.masked_fill(m == float("-inf"), 0.0))  # a row with nothing visible: all zeros
+    ssum = p.sum(dim=-1, keepdim=True)
+    o = (p @ v.to(acc_dtype)) / ssum.masked_fill(ssum == 0, 1.0)  # (B, Hkv, G*T, D)
+    return o.reshape(b, h, t, d), m.reshape(b, h, t, 1), ssum.reshape(b, h, t, 1)
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine `attention_partial` results of disjoint splits into attention over all their keys -> [B, H, T, D].
+
+    Split j's log-sum-exp is lse_j = m_j + log l_j; with lse = logsumexp_j lse_j over the
+    splits, the output is sum_j exp(lse_j - lse) o_j: each split weighs its share of the
+    softmax's denominator. Exact: no approximation, only the order of the sums changes.
+    """
+    if not parts:
+        raise ValueError("parts: expected at least one (o, m, l) triple, got none")
+    o = torch.stack([p[0] for p in parts])  # (n, B, H, T, D)
+    lse = torch.stack([p[1] + torch.log(p[2]) for p in parts])  # (n, B, H, T, 1); -inf for an empty split
+    return (torch.softmax(lse, dim=0) * o).sum(dim=0)  # softmax over the splits = exp(lse_j - logsumexp lse)
+
+
+def flash_decoding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                             *, causal: bool = False, split_size: int = 256,
+                             accum_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Flash-Decoding: the keys cut into splits of `split_size` (the last may be shorter), merged -> [B, H, T, D].
+
+    q [B, H, T, D], k, v [B, Hkv, S, D]; `mask` [T, S] or `causal=True` as in
+    `online_softmax_attention`. Why it matters at batch 1 with a long sequence: a decode step
+    has one query per head, so a kernel that gives each (sequence, head) to one processor uses
+    only B x H of them while the S keys are read one after another. The splits are
+    independent (here a loop; on a GPU one thread block each), so B x H x S / split_size
+    processors read K and V at once, and the merge costs a few numbers per split.
+    """
+    check_qkv(q, k, v, mask)
+    if type(split_size) is not int or split_size <= 0:
+        raise ValueError(f"split_size: expected a positive int, got {split_size!r}")
+    if causal and mask is not None:
+        raise ValueError("causal: expected either causal=True or an explicit mask, got both")
+    t, s = q.shape[2], k.shape[2]
+    if causal:
+        mask = torch.arange(s, device=q.device) <= torch.arange(s - t, s, device=q.device).unsqueeze(1)  # (T, S)
+    parts = [attention_partial(q, k[:, :, j : j + split_size], v[:, :, j : j + split_size],
+                               None if mask is None else mask[:, j : j + split_size], accum_dtype=accum_dtype)
+             for j in range(0, s, split_size)]
+    return merge_partials(parts).to(q.dtype)

@@ -1,17 +1,23 @@
 """The benchmark suite of chapter 7: `python -m labcode.bench [--quick|--full]`.
 
-Introduced in chapter 7. Four measurements, each in one process, interleaved, after
+Introduced in chapter 7. The measurements, each in one process, interleaved, after
 a warm-up, summarised by medians and ratios:
   1. appending one position to every layer, for every cache (`append`);
   2. append plus single-token attention, three ways (`append_attention`);
   3. greedy generation with no cache and with every cache (`generation`);
-  4. cached decode steps against the memory-bandwidth floor (`floor`).
-Timings are recorded, never compared: the result file is `machine_dependent`, its
-checks are about correctness only, and the targets are values with a `met` flag.
+  4. cached decode steps against the memory-bandwidth floor (`floor`), operation by
+     operation (`floor_ops`), and the window cache against the concatenating one;
+  5. the roofline: the machine measured once, every prefill, decode and uncached call
+     predicted and timed (`roofline`); decode against the batch size (`batch`);
+  6. how many sequences fit in memory, checked by allocating the caches (`memory`).
+Timings are recorded, never compared: the result file is `machine_dependent`, every
+value's rule is `recorded`, its checks are about correctness only, and the targets
+are values with a `met` flag (and the measured reason where not met).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +26,7 @@ import torch
 
 from labcode.bench.append import KINDS as APPEND_KINDS
 from labcode.bench.append import AppendSetup, bench_append, bench_append_attention
+from labcode.bench.batch import bench_batch, critical_batch_curve
 from labcode.bench.decode import (
     ProductsOnly,
     bench_floor,
@@ -28,13 +35,34 @@ from labcode.bench.decode import (
     products_only_diff,
     profile_decode,
 )
+from labcode.bench.floor import (
+    CATEGORIES,
+    LeanDecode,
+    bench_window_vs_concat,
+    kv_read_variants,
+    lean_diff,
+    op_breakdown,
+    product_variants,
+    validation_cost,
+)
 from labcode.bench.layout import row_major_copy, store_wide_weights_by_column
+from labcode.bench.memory import allocation_agrees, allocation_check, concurrency, concurrency_sweep
+from labcode.bench.roofline import (
+    bench_roofline,
+    machine_of,
+    measure_machine,
+    measure_rows,
+    overhead_crossover,
+    points_for,
+    summary,
+)
 from labcode.bench.timing import Streamer, linear_layouts, matmul_flops_per_s, op_overhead
 from labcode.checkpoint import default_device
 from labcode.config import get_config
 from labcode.flops import forward_flops, measure_flops
 from labcode.model import GPT
 from labcode.results import QAResult, recorded
+from labcode.roofline import decode_cost, predict, prefill_cost, uncached_cost
 
 
 @dataclass(frozen=True)
@@ -48,14 +76,40 @@ class Sizes:
     attention_decode: int = 200
     attention_rounds: int = 3
     # (preset, prompt length, new tokens, rounds) for each end-to-end generation benchmark
-    generation: tuple[tuple[str, int, int, int], ...] = (("tiny", 16, 48, 5), ("gpt2-124m", 64, 256, 1))
+    generation: tuple[tuple[str, int, int, int], ...] = (("tiny", 16, 48, 5), ("gpt2-124m", 64, 128, 1))
     floor_preset: str = "gpt2-124m"  # the model whose decode steps are held against the bandwidth floor
-    floor_positions: tuple[int, ...] = tuple(range(0, 1009, 48))
+    floor_positions: tuple[int, ...] = tuple(range(0, 1009, 96))
     floor_steps: int = 11
     floor_rounds: int = 2
     bandwidth_mbytes: int = 256
     profile_position: int = 512
     profile_steps: int = 3  # 0: no torch.profiler table (its first use costs seconds)
+    # decode at the floor, operation by operation (labcode.bench.floor), and window against concat per step
+    floor_ops_position: int = 512
+    floor_ops_steps: int = 7
+    kv_read_lengths: tuple[int, ...] = (128, 512, 1000)
+    window_concat_positions: tuple[int, ...] = (0, 128, 256, 512, 768, 1000)
+    window_concat_steps: int = 9
+    window_concat_rounds: int = 2
+    # the roofline (labcode.bench.roofline): the machine, the presets, and the calls timed at each
+    overhead_preset: str = "gpt2-124m"  # whose shrunk decode step measures the fixed cost per operation
+    rows_shape: tuple[int, int] = (3072, 768)  # the weight through which products of few rows are timed
+    roofline_presets: tuple[str, ...] = ("gpt2-124m", "small", "tiny")
+    roofline_prefill: tuple[tuple[int, int], ...] = ((16, 0), (64, 0), (256, 0), (64, 512))  # (T, S)
+    roofline_decode: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # where decode starts, as a fraction of the table
+    roofline_uncached: tuple[int, ...] = (32, 128, 512)
+    roofline_repeats: int = 5
+    # decode against the batch size (labcode.bench.batch): (preset, batch sizes, cached lengths)
+    batch_runs: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = (
+        ("tiny", (1, 2, 4, 8, 16, 32, 64), (16, 48)),
+        ("small", (1, 2, 4, 8, 16, 32, 64), (128, 896)),
+        ("gpt2-124m", (1, 2, 4, 8, 16), (128, 896)),
+    )
+    batch_steps: int = 5
+    # how many sequences fit (labcode.bench.memory)
+    memory_budget_gib: float = 16.0
+    memory_lengths: tuple[int, ...] = (100, 500, 1000)
+    memory_block_size: int = 16
 
 
 SIZES = {
@@ -63,11 +117,20 @@ SIZES = {
     "quick": Sizes(append_decode=24, append_rounds=2, attention_decode=24, attention_rounds=2,
                    generation=(("tiny", 16, 32, 3), ("gpt2-124m", 16, 12, 1)),
                    floor_positions=(0, 256, 512, 768, 1008), floor_steps=5, floor_rounds=1,
-                   bandwidth_mbytes=128, profile_steps=0),
+                   bandwidth_mbytes=128, profile_steps=0, floor_ops_steps=3, kv_read_lengths=(512,),
+                   window_concat_positions=(0, 512, 1000), window_concat_steps=5, window_concat_rounds=1,
+                   roofline_presets=("small", "tiny"), roofline_prefill=((16, 0), (128, 0)),
+                   roofline_decode=(0.0, 1.0), roofline_uncached=(64,), roofline_repeats=3,
+                   batch_runs=(("tiny", (1, 4, 16), (16,)), ("small", (1, 4, 16), (128,))), batch_steps=3),
     "test": Sizes(append_layers=3, append_prefills=(16, 256), append_decode=4, append_rounds=1,
                   attention_decode=4, attention_rounds=1, generation=(("micro", 4, 5, 1), ("tiny", 4, 5, 1)),
                   floor_preset="tiny", floor_positions=(0, 40), floor_steps=2, floor_rounds=1,
-                  bandwidth_mbytes=8, profile_steps=0),
+                  bandwidth_mbytes=8, profile_steps=0, floor_ops_position=20, floor_ops_steps=2,
+                  kv_read_lengths=(32,), window_concat_positions=(0, 40), window_concat_steps=2,
+                  window_concat_rounds=1, roofline_presets=("tiny",), roofline_prefill=((8, 0), (8, 16)),
+                  roofline_decode=(0.0, 0.5), roofline_uncached=(16,), roofline_repeats=2,
+                  batch_runs=(("tiny", (1, 2), (8,)),), batch_steps=2, memory_budget_gib=0.001,
+                  memory_lengths=(20,), memory_block_size=8, overhead_preset="tiny", rows_shape=(256, 64)),
 }
 
 
@@ -104,6 +167,9 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     res = QAResult("bench", {"mode": mode, "device": str(device), **asdict(sizes)}, machine_dependent=True)
     res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device),
                           "matmul_flops_per_s": matmul_flops_per_s(device)}, TIMED)
+    measured = measure_machine(device, sizes.bandwidth_mbytes, sizes.overhead_preset)
+    measured["rows"] = measure_rows(device, sizes.rows_shape, min_mbytes=sizes.bandwidth_mbytes // 4)
+    res.value("roofline_machine", measured, TIMED)
     lap("machine")
     _append_benchmarks(res, sizes, device, progress)
     lap("append")
@@ -116,22 +182,14 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
         generation[preset]["preset"] = preset
     res.value("generation", generation, TIMED)
     lap("generation")
+    _roofline_benchmarks(res, sizes, device, measured, models, progress)
+    lap("roofline")
     model = models.get(sizes.floor_preset) or random_model(sizes.floor_preset, device)
-    streamer = Streamer(sizes.bandwidth_mbytes, device)
-    with _bar(sizes.floor_rounds * len(sizes.floor_positions), "bandwidth floor", progress) as bar:
-        floor = bench_floor(model, list(sizes.floor_positions), sizes.floor_steps, sizes.floor_rounds, streamer,
-                            variants={"row-major weights": row_major_copy(model), "products only": ProductsOnly(model)},
-                            progress=bar)
-    floor["preset"], floor["device"] = sizes.floor_preset, device.type
-    floor["products_only_max_logit_diff"] = products_only_diff(model, sizes.floor_positions[-1])
-    floor["overhead"] = overhead_step(model, sizes.floor_positions[len(sizes.floor_positions) // 2])
-    res.value("floor", floor, TIMED)
-    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n})
-    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2), TIMED)
-    if sizes.profile_steps:
-        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), TIMED)
-    del streamer, models, model
+    _floor_benchmarks(res, sizes, device, model, progress)
+    del models, model
     lap("floor")
+    res.value("memory", _memory(sizes), TIMED)
+    lap("memory")
     _flop_checks(res)
     lap("flop_checks")
     _correctness_checks(res)
@@ -139,6 +197,119 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     res.value("section_s", sections, TIMED)
     res.value("elapsed_s", time.perf_counter() - started, TIMED)
     return res
+
+
+def _roofline_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, models: dict,
+                         progress: bool) -> None:
+    """The roofline's predictions against the clock at every preset, decode against the batch size."""
+    points = {"prefill": sizes.roofline_prefill, "decode": sizes.roofline_decode,
+              "uncached": sizes.roofline_uncached, "decode_steps": sizes.roofline_repeats}
+    n_points = sum(len(points_for(get_config(p), **points)) for p in sizes.roofline_presets)
+    with _bar(n_points, "roofline", progress) as bar:
+        result = bench_roofline(sizes.roofline_presets, points, measured, device, models,
+                                repeats=sizes.roofline_repeats, progress=bar)
+    res.value("roofline", result, TIMED)
+    wall = machine_of(measured)
+    overhead = measured["overhead"]
+    extra = {"crossover": {p: overhead_crossover(get_config(p), wall, _decode_ops(result[p]))
+                           for p in sizes.roofline_presets}}
+    for preset, run in res.doc["values"]["generation"].items():
+        if preset in result:
+            extra.setdefault("generation", {})[preset] = roofline_speedup(get_config(preset), run, result[preset],
+                                                                          wall)
+    res.value("roofline_summary", {**summary(result), "overhead_measured_on": overhead["preset"], **extra}, TIMED)
+    batch = {}
+    n_runs = sum(len(b) * len(c) for _, b, c in sizes.batch_runs)
+    with _bar(n_runs, "batch", progress) as bar:
+        for preset, batches, contexts in sizes.batch_runs:
+            model = models.get(preset) or random_model(preset, device)
+            batch[preset] = bench_batch(model, batches, contexts, measured, sizes.batch_steps, progress=bar)
+            cfg = model.cfg
+            batch[preset]["curve"] = critical_batch_curve(cfg, wall, list(range(0, cfg.context_length + 1,
+                                                                              max(1, cfg.context_length // 64))),
+                                                          kv_heads=tuple(h for h in (cfg.n_heads // 4, 1)
+                                                                         if 0 < h < cfg.n_heads))
+            del model
+    res.value("batch", batch, TIMED)
+
+
+def _decode_ops(run: dict) -> int:
+    """Operations a batch-1 decode step dispatched in a roofline run (after the first step)."""
+    ops = [p["ops"] for p in run["points"] if p["kind"] == "decode"]
+    return min(ops) if ops else 0
+
+
+def roofline_speedup(cfg, run: dict, roofline_run: dict, machine) -> dict:
+    """The roofline's prediction of a generation benchmark's totals, with and without a cache, and the speedup.
+
+    Each call is predicted with the operation counts the roofline run measured for its kind.
+    """
+    ops = {kind: [p["ops"] for p in roofline_run["points"] if p["kind"] == kind] for kind in ("prefill", "decode",
+                                                                                             "uncached")}
+    ops = {k: (min(v) if v else 0) for k, v in ops.items()}
+    p0, n = run["prompt_len"], run["new_tokens"]
+    nocache = [predict(uncached_cost(cfg, p0 + i), machine, ops["uncached"]).seconds for i in range(n)]
+    cached = [predict(prefill_cost(cfg, p0), machine, ops["prefill"]).seconds] + [
+        predict(decode_cost(cfg, p0 + i - 1), machine, ops["decode"]).seconds for i in range(1, n)]
+    measured = run["speedup"]["window"]
+    pred = sum(nocache) / sum(cached)
+    return {"predicted_nocache_s": sum(nocache), "predicted_cached_s": sum(cached), "predicted_speedup": pred,
+            "measured_speedup": measured, "ratio": measured / pred,
+            "measured_nocache_s": run["total_s"]["nocache"], "measured_cached_s": run["total_s"]["window"]}
+
+
+def _floor_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, model, progress: bool) -> None:
+    """Decode against the bandwidth floor: whole steps, operation by operation, and window against concat."""
+    streamer = Streamer(sizes.bandwidth_mbytes, device)
+    bw = streamer.measure()
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n})
+    fused = {(model.cfg.n_heads * model.cfg.head_dim + 2 * model.cfg.n_kv_heads * model.cfg.head_dim,
+              model.cfg.d_model)}
+    products = product_variants(sorted(set(shapes) | fused), device, min_mbytes=sizes.bandwidth_mbytes // 2)
+    layouts = {tuple(r["shape"]): r["best_addmv_layout"] for r in products}
+    lean = LeanDecode(model, lean=True, layouts=layouts)
+    with _bar(sizes.floor_rounds * len(sizes.floor_positions), "bandwidth floor", progress) as bar:
+        floor = bench_floor(model, list(sizes.floor_positions), sizes.floor_steps, sizes.floor_rounds, streamer,
+                            variants={"row-major weights": row_major_copy(model), "products only": ProductsOnly(model),
+                                      "lean": lean}, progress=bar)
+    floor["preset"], floor["device"] = sizes.floor_preset, device.type
+    floor["products_only_max_logit_diff"] = products_only_diff(model, sizes.floor_positions[-1])
+    floor["lean_max_logit_diff"] = lean_diff(model, sizes.floor_positions[-1], layouts)
+    floor["overhead"] = overhead_step(model, sizes.floor_positions[len(sizes.floor_positions) // 2])
+    res.value("floor", floor, TIMED)
+    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2), TIMED)
+    bandwidth = {"wall": bw["best"], "cpu": bw["best_cpu"]}
+    cfg = model.cfg
+    res.value("floor_ops", {
+        "preset": sizes.floor_preset, "bandwidth": bandwidth, "layouts": {f"{o}x{i}": lay for (o, i), lay in
+                                                                          layouts.items()},
+        "model": op_breakdown(LeanDecode(model, lean=False), sizes.floor_ops_position, sizes.floor_ops_steps,
+                              bandwidth),
+        "lean": op_breakdown(lean, sizes.floor_ops_position, sizes.floor_ops_steps, bandwidth),
+        "products": products,
+        "kv_reads": kv_read_variants(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, sizes.kv_read_lengths,
+                                     device, capacity=cfg.context_length),
+        "validation": validation_cost(model),
+    }, TIMED)
+    del streamer, lean
+    positions = [p for p in sizes.window_concat_positions if p + sizes.window_concat_steps + 3 < cfg.context_length]
+    with _bar(sizes.window_concat_rounds * len(positions), "window vs concat", progress) as bar:
+        res.value("window_vs_concat", bench_window_vs_concat(model, positions, sizes.window_concat_steps,
+                                                             sizes.window_concat_rounds, bandwidth=bw["best"],
+                                                             progress=bar), TIMED)
+    if sizes.profile_steps:
+        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), TIMED)
+
+
+def _memory(sizes: Sizes) -> dict:
+    """How many sequences fit at GPT-2 124M shapes, and the formulas checked against allocated caches (tiny)."""
+    budget = int(sizes.memory_budget_gib * 2**30)
+    table = concurrency(get_config("gpt2-124m"), budget, sizes.memory_lengths, sizes.memory_block_size)
+    check_cfg = get_config("tiny")
+    rows = allocation_check(check_cfg, 3 * 2**16, 21, 8)
+    return {"concurrency": table, "sweep": concurrency_sweep(get_config("gpt2-124m"), budget, sizes.memory_block_size),
+            "allocation": {"preset": "tiny", "budget_bytes": 3 * 2**16, "length": 21, "block_size": 8, "rows": rows,
+                           "agrees": allocation_agrees(rows)}}
 
 
 def _append_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:
@@ -185,6 +356,10 @@ def _correctness_checks(res: QAResult) -> None:
                   "(float32)", worst, 1e-3, "<=")
     res.check("products_only_logits", "the products-only decode step computes the model's logits (float32)",
               v["floor"]["products_only_max_logit_diff"], 1e-3, "<=")
+    res.check("lean_logits", "the benchmark's lean decode step computes the model's logits (float32)",
+              v["floor"]["lean_max_logit_diff"], 1e-3, "<=")
+    res.check("memory_allocation", "sequences admitted, bytes held and empty slots of real caches (plain, paged, "
+              "int8) equal the capacity formulas", v["memory"]["allocation"]["agrees"], True, "==")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -203,41 +378,137 @@ def speedup_at_floor(run: dict, floor: dict) -> float:
     return _ratio(run["total_s"]["nocache"], run["per_step_s"]["window"][0] + sum(steps))
 
 
-def targets(values: dict) -> list[dict]:
-    """The performance targets, each with its measured value and whether it was met. Reported, never enforced."""
+def _factor(r: float) -> float:
+    return max(r, 1 / r)
+
+
+def _worst_point(values: dict) -> dict:
+    """The roofline point farthest from its prediction (wall clock), with its preset."""
+    pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
+    preset, p = max(pts, key=lambda x: _factor(x[1]["ratio"]))
+    return {"preset": preset, **p}
+
+
+def _rows_reason(values: dict, point: dict) -> str:
+    """Why a compute-bound point ran slower than the peak: what products with that many rows reach."""
+    rows = values["roofline_machine"].get("rows", [])
+    peak = values["roofline_machine"]["wall"]["peak_flops_per_s"]
+    near = min(rows, key=lambda r: abs(math.log(r["rows"] / max(point["t_new"] * point["batch"], 1))), default=None)
+    if near is None:
+        return ""
+    return (f"; products with {near['rows']} rows run at {near['flops_per_s'] / 1e9:.3g} GFLOP/s, "
+            f"{near['flops_per_s'] / peak:.0%} of the measured peak")
+
+
+def _floor_reason(ops: dict, clock: str = "") -> str:
+    """The operations farthest above their floor time, with the bandwidth each achieved."""
+    rows = ops["operations" + clock]
+    bw = ops["floor_bytes"] / ops["floor" + clock + "_s"]
+    worst = sorted(((k, r) for k, r in rows.items() if "excess_s" in r and k in CATEGORIES),
+                   key=lambda kr: -kr[1]["excess_s"])[:3]
+    parts = [f"{k} {r['bytes_per_s'] / 1e9:.3g} GB/s (+{r['excess_s'] * 1e3:.2g} ms)" for k, r in worst]
+    other = rows.get("other", {}).get("s_per_step", 0.0) + ops["untimed" + clock + "_s"]
+    return (f"against {bw / 1e9:.3g} GB/s streaming: " + ", ".join(parts)
+            + f"; operations without weights or K/V and the Python between them {other * 1e3:.2g} ms")
+
+
+def targets(values: dict, tolerance: float = 1.5) -> list[dict]:
+    """The performance targets, each with its measured value, whether it was met and, if not, the measured reason.
+
+    Reported, never enforced.
+    """
     ap, med = values["append"], {k: v["median_step_s"] for k, v in values["append"].items()}
     long_len = ap["long"]["setup"]["prefill"]
     short_len = ap["candle"]["setup"]["prefill"]
+    over = values["machine"]["op_overhead_us"]
+    n_tensors = 2 * ap["candle"]["setup"]["n_layers"]
+    calls = (f"a one-row narrow().copy_() costs {over['one-row narrow().copy_()']:.3g} µs per call whatever the "
+             f"length, {n_tensors} calls per step; the bare per-layer write takes "
+             f"{med['candle']['bare_slice'] * 1e6:.3g} µs at {short_len} and {med['long']['bare_slice'] * 1e6:.3g} µs"
+             f" at {long_len}, the course's WindowCache {med['candle']['slice'] * 1e6:.3g} and "
+             f"{med['long']['slice'] * 1e6:.3g} µs")
     out = [
         {"name": "slice_write_flat", "claim": f"slice-write append at cache length {long_len} costs at most 1.3x "
          f"its cost at {short_len}", "target": 1.3, "comparison": "<=",
-         "measured": _ratio(med["long"]["slice"], med["candle"]["slice"])},
+         "measured": _ratio(med["long"]["slice"], med["candle"]["slice"]), "reason_if_not_met": calls},
         {"name": "cat_grows", "claim": f"cat append at cache length {long_len} costs more than 1.3x its cost at "
          f"{short_len}", "target": 1.3, "comparison": ">",
-         "measured": _ratio(med["long"]["cat"], med["candle"]["cat"])},
+         "measured": _ratio(med["long"]["cat"], med["candle"]["cat"]),
+         "reason_if_not_met": f"cat: {med['candle']['cat'] * 1e6:.3g} µs per step at {short_len}, "
+         f"{med['long']['cat'] * 1e6:.3g} µs at {long_len}; " + calls},
         {"name": "slice_vs_cat_long", "claim": f"slice write is at least 20x cheaper than cat at cache length "
          f"{long_len}", "target": 20.0, "comparison": ">=",
-         "measured": _ratio(med["long"]["cat"], med["long"]["slice"])},
+         "measured": _ratio(med["long"]["cat"], med["long"]["slice"]),
+         "reason_if_not_met": f"cat: {med['long']['cat'] * 1e6:.3g} µs per step at {long_len}; " + calls},
     ]
-    floor = values["floor"]
+    floor, ops = values["floor"], values["floor_ops"]
     out.append({"name": "decode_near_floor", "claim": f"cached decode at {floor['preset']} within 1.3x of the "
                 "memory-bandwidth floor at every measured position (wall clock)", "target": 1.3, "comparison": "<=",
                 "measured": max(floor["ratio"]),
-                # context: the same step with nothing but its tensor operations (ProductsOnly)
-                "products_only": max(floor["variants"]["products only"]["ratio"])})
+                # context: the same step with nothing but its tensor operations, and the benchmark's lean step
+                "products_only": max(floor["variants"]["products only"]["ratio"]),
+                "lean": max(floor["variants"]["lean"]["ratio"]),
+                "reason_if_not_met": "the model's step at position "
+                f"{ops['model']['position']}, operation by operation, " + _floor_reason(ops["model"])})
+    out.append({"name": "decode_near_floor_lean", "claim": f"the benchmark's lean decode step at {floor['preset']} "
+                "(fused Q/K/V, each weight in its fastest layout, addmv into reused outputs, K @ q) within 1.3x of "
+                "the floor at every measured position (wall clock)", "target": 1.3, "comparison": "<=",
+                "measured": max(floor["variants"]["lean"]["ratio"]),
+                "reason_if_not_met": f"at position {ops['lean']['position']}, " + _floor_reason(ops["lean"])})
     if floor.get("device", "cpu") == "cpu":
         out.append({"name": "decode_near_floor_cpu", "claim": f"cached decode at {floor['preset']} within 1.3x of "
                     "the memory-bandwidth floor at every measured position (process CPU time)", "target": 1.3,
-                    "comparison": "<=", "measured": max(floor["ratio_cpu"])})
-    for preset, run in values["generation"].items():
-        t = {"name": f"speedup_{preset}", "claim": f"cached generation at {preset} ({run['prompt_len']}-token "
-             f"prompt, {run['new_tokens']} new) at least half as much faster as the FLOP count predicts",
-             "target": 0.5, "comparison": ">=", "measured": _ratio(run["speedup"]["window"], run["predicted_speedup"])}
+                    "comparison": "<=", "measured": max(floor["ratio_cpu"]),
+                    "reason_if_not_met": _floor_reason(ops["model"], "_cpu")})
+    wc = values["window_vs_concat"]
+    slower = [(k, r) for k, r, q_w, q_c in zip(wc["keys"], wc["cat_over_window"], wc["window_q"], wc["cat_q"],
+                                                strict=True) if r < 1 and q_w[0] <= q_c[1]]
+    out.append({"name": "window_not_slower", "claim": f"decode with the window cache at least as fast as with the "
+                f"concatenating cache at every length up to {wc['keys'][-1]} keys ({floor['preset']}, wall clock)",
+                "target": 1.0, "comparison": ">=", "measured": min(wc["cat_over_window"]),
+                "pulls_ahead_at": next((k for k, r, q_w, q_c in zip(wc["keys"], wc["cat_over_window"], wc["window_q"],
+                                                                    wc["cat_q"], strict=True)
+                                        if r > 1 and q_w[1] < q_c[0]), None),
+                "reason_if_not_met": "where the window is slower, the two steps' interquartile ranges overlap at "
+                + ", ".join(f"{k} keys ({r:.3f})" for k, r in slower) + ": equal within the noise"
+                if slower else "the window step is slower beyond the spread of the measurements"})
+    summ = values["roofline_summary"]
+    worst = _worst_point(values)
+    presets = list(values["roofline"])
+    dominated = [f"{p} ({summ[p]['overhead_dominated_points']} of {summ[p]['points']} points)" for p in presets
+                 if summ[p]["overhead_dominated_points"]]
+    bandwidth_ok = [_factor(p["ratio_no_overhead"]) for run in values["roofline"].values() for p in run["points"]
+                    if p["predicted"]["bound"] != "overhead"]
+    out.append({"name": "roofline_prediction", "claim": f"every measured prefill, decode and uncached call from "
+                f"{presets[0]} down to {presets[-1]} within {tolerance}x of max(FLOPs / peak, bytes / bandwidth) + "
+                "operations x overhead (wall clock)", "target": tolerance, "comparison": "<=",
+                "measured": max(summ[p]["worst_factor"] for p in presets),
+                "measured_cpu": max(summ[p]["worst_factor_cpu"] for p in presets),
+                "without_overhead_where_it_does_not_dominate": max(bandwidth_ok) if bandwidth_ok else float("nan"),
+                "overhead_dominates": ", ".join(dominated) or "nowhere",
+                "worst_by_kind": {p: {k: summ[p]["kinds"][k]["worst_factor"] for k in summ[p]["kinds"]}
+                                  for p in presets},
+                "overhead_crossover_d_model": {p: summ["crossover"][p]["crossover_d_model"] for p in presets},
+                "reason_if_not_met": f"worst: {worst['kind']} of T={worst['t_new']} after S={worst['s_cached']} at "
+                f"{worst['preset']}, measured {worst['ratio']:.3g}x the prediction ({worst['predicted']['bound']}"
+                "-bound)" + (_rows_reason(values, worst) if worst["predicted"]["bound"] == "compute" else "")})
+    for preset, g in summ.get("generation", {}).items():
+        run = values["generation"][preset]
+        t = {"name": f"speedup_{preset}", "claim": f"cached generation at {preset} "
+             f"({run['prompt_len']}-token prompt, {run['new_tokens']} new) as much faster than no cache as the "
+             f"roofline predicts, within {tolerance}x", "target": tolerance, "comparison": "<=",
+             "measured": _factor(g["ratio"]), "measured_speedup": g["measured_speedup"],
+             "predicted_speedup": g["predicted_speedup"], "flop_count_speedup": run["predicted_speedup"],
+             "reason_if_not_met": f"measured {g['measured_speedup']:.3g}x against {g['predicted_speedup']:.3g}x "
+             f"predicted: no cache took {g['measured_nocache_s'] / g['predicted_nocache_s']:.3g}x its prediction, "
+             f"the cache {g['measured_cached_s'] / g['predicted_cached_s']:.3g}x"}
         if floor["preset"] == preset:  # context: the largest speedup a cache could show if decode ran at the floor
             t["speedup_at_floor"] = speedup_at_floor(run, floor)
-            t["at_floor"] = _ratio(t["speedup_at_floor"], run["predicted_speedup"])
         out.append(t)
     for t in out:
         m, g = t["measured"], t["target"]
         t["met"] = bool({"<=": m <= g, ">=": m >= g, ">": m > g}[t["comparison"]])
+        reason = t.pop("reason_if_not_met", None)
+        if not t["met"]:
+            t["reason"] = reason or "no measured reason recorded"
     return out

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labcode.bench", description=__doc__)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="small sizes, under a minute on two cores (the default)")
+                      help="small sizes, a minute or two on two cores (the default)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="the sizes the book reports (several minutes)")
     mode.add_argument("--test", dest="mode", action="store_const", const="test", help="tiny sizes, a few seconds")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads)")
     for t in values["targets"]:
         print(f"  {'met    ' if t['met'] else 'NOT met'}  {t['name']}: measured {t['measured']:.3g} "
-              f"{t['comparison']} {t['target']:g}")
+              f"{t['comparison']} {t['target']:g}" + (f"\n             {t['reason']}" if "reason" in t else ""))
     if args.plots:
         from labcode.bench.plots import save_plots
 

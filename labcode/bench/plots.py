@@ -129,12 +129,267 @@ def plot_floor(values: dict, target: float = 1.3) -> Figure:
     return fig
 
 
+# -- figures for the chapter: the column's width, readable type, few series, honest axes, no background -----------
+
+WIDTH = 7.0  # inches: the book's text column
+INK = "#777777"  # text, axes and ticks: readable on a white page and on a dark one
+STYLE = {
+    "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9, "ytick.labelsize": 9,
+    "legend.fontsize": 9, "legend.frameon": False, "text.color": INK, "axes.labelcolor": INK,
+    "axes.edgecolor": INK, "xtick.color": INK, "ytick.color": INK, "axes.titlecolor": INK,
+    "figure.facecolor": "none", "axes.facecolor": "none", "savefig.transparent": True,
+    "axes.spines.top": False, "axes.spines.right": False, "grid.color": INK, "grid.alpha": 0.25,
+    "lines.linewidth": 1.6, "lines.markersize": 5,
+}
+PRESET_COLORS = {"gpt2-124m": "tab:blue", "small": "tab:orange", "tiny": "tab:green", "micro": "tab:purple"}
+KIND_MARKERS = {"prefill": "o", "decode": "s", "uncached": "^"}
+SERIES = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+
+
+def _plain(ax: Axes, axis: str = "both", base: float = 10) -> None:
+    """Log axes labelled with plain numbers (1, 2, 5, 10 or 1, 2, 4, 8), never "2.4x10^0".
+
+    Call after plotting: an axis spanning two decades or less also gets ticks at 2 and 5.
+    """
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fmt = FuncFormatter(lambda v, _: f"{v:,.6g}")
+    for name in ("x", "y") if axis == "both" else (axis,):
+        a = getattr(ax, f"{name}axis")
+        lo, hi = sorted(getattr(ax, f"get_{name}lim")())
+        decades = math.log10(hi / lo) if lo > 0 else 99
+        subs = (1.0, 2.0, 5.0) if base == 10 and decades <= 2 else (1.0,)
+        a.set_major_locator(LogLocator(base=base, subs=subs, numticks=12))
+        a.set_major_formatter(fmt)
+        a.set_minor_formatter(NullFormatter())
+
+
+def _styled(draw):
+    """Run a figure function under the chapter's style."""
+    from functools import wraps
+
+    @wraps(draw)
+    def wrapper(values: dict) -> Figure:
+        with plt.rc_context(STYLE):
+            fig = draw(values)
+            fig.tight_layout()
+        return fig
+
+    return wrapper
+
+
+def _f(x) -> float:
+    return float(x)  # JSON stores infinity as the string "inf"
+
+
+@_styled
+def plot_roofline(values: dict) -> Figure:
+    """The roofline: achieved FLOP/s against arithmetic intensity, every timed call of every preset on it."""
+    m = values["roofline_machine"]["wall"]
+    peak, bw = m["peak_flops_per_s"], m["bandwidth_bytes_per_s"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.6))
+    pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
+    lo = min(p["intensity"] for _, p in pts) / 2
+    hi = max(max(p["intensity"] for _, p in pts) * 2, 4 * peak / bw)
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(xs, [min(peak, bw * x) / 1e9 for x in xs], color=INK, lw=2)
+    for preset, p in pts:
+        ax.plot(p["intensity"], p["flops"] / p["step_s"] / 1e9, KIND_MARKERS[p["kind"]], color=PRESET_COLORS.get(
+            preset, "tab:red"), mfc="none" if p["predicted"]["bound"] == "overhead" else None, ms=6)
+    handles = [plt.Line2D([], [], color=c, marker="o", ls="none", label=name)
+               for name, c in PRESET_COLORS.items() if name in values["roofline"]]
+    handles += [plt.Line2D([], [], color=INK, marker=mk, ls="none", label=kind) for kind, mk in KIND_MARKERS.items()]
+    ax.legend(handles=handles, loc="lower right", ncol=2, title="open: overhead-bound")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per byte)", ylabel="GFLOP/s achieved",
+           title=f"peak {peak / 1e9:.3g} GFLOP/s, bandwidth {bw / 1e9:.3g} GB/s (measured)")
+    _plain(ax)
+    ax.grid(True, which="major")
+    return fig
+
+
+@_styled
+def plot_roofline_fit(values: dict, tolerance: float = 1.5) -> Figure:
+    """Measured seconds against the roofline's prediction for every timed call, with the target's band."""
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.6))
+    pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
+    lo = min(min(p["step_s"], p["predicted"]["seconds"]) for _, p in pts) * 1e3 / 2
+    hi = max(max(p["step_s"], p["predicted"]["seconds"]) for _, p in pts) * 1e3 * 2
+    ax.fill_between([lo, hi], [lo / tolerance, hi / tolerance], [lo * tolerance, hi * tolerance], color=INK,
+                    alpha=0.15, lw=0, label=f"within {tolerance}x")
+    ax.plot([lo, hi], [lo, hi], color=INK, lw=1)
+    for preset, p in pts:
+        ax.plot(p["predicted"]["seconds"] * 1e3, p["step_s"] * 1e3, KIND_MARKERS[p["kind"]],
+                color=PRESET_COLORS.get(preset, "tab:red"), ms=6)
+    handles = [plt.Line2D([], [], color=c, marker="o", ls="none", label=name)
+               for name, c in PRESET_COLORS.items() if name in values["roofline"]]
+    handles += [plt.Line2D([], [], color=INK, marker=mk, ls="none", label=kind) for kind, mk in KIND_MARKERS.items()]
+    ax.legend(handles=handles, loc="upper left", ncol=2)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="predicted ms per call",
+           ylabel="measured ms per call")
+    _plain(ax)
+    ax.grid(True, which="major")
+    return fig
+
+
+@_styled
+def plot_batch(values: dict) -> Figure:
+    """Decode tokens per second against the batch size, measured (points) and predicted (lines), per preset."""
+    runs = values["batch"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(WIDTH, 3.0), squeeze=False)
+    for ax, (preset, res) in zip(axes[0], runs.items(), strict=True):
+        for run, color in zip(res["runs"], SERIES, strict=False):
+            b = run["batch"]
+            ax.plot(b, run["tokens_per_s"], "o", color=color, label=f"S = {run['s_cached']}, measured")
+            ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color, label="predicted")
+            crit = _f(run["critical_batch"])
+            if b[0] <= crit <= b[-1]:
+                ax.axvline(crit, color=color, ls=":", lw=1)
+        ax.set(xscale="log", yscale="log", xlabel="batch size B", title=preset)
+        _plain(ax, "x", base=2)
+        _plain(ax, "y")
+        ax.grid(True, which="major")
+    axes[0][0].set_ylabel("tokens per second")
+    axes[0][-1].legend(loc="upper left", fontsize=8)
+    return fig
+
+
+@_styled
+def plot_critical_batch(values: dict, preset: str | None = None) -> Figure:
+    """The batch from which a decode step is compute-bound, against the cached length, for MHA, GQA and MQA."""
+    preset = preset or next(reversed(values["batch"]))
+    curve = values["batch"][preset]["curve"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    h = values["batch"][preset]["preset_config"]["n_heads"]
+    for (hkv, c), color in zip(curve["n_kv_heads"].items(), SERIES, strict=False):
+        name = "MHA" if int(hkv) == h else ("MQA" if int(hkv) == 1 else "GQA")
+        ys = [_f(v) for v in c["critical_batch"]]
+        ax.plot(curve["contexts"], [y if y != float("inf") else float("nan") for y in ys], color=color,
+                label=f"{name}, Hkv = {hkv}")
+        limit = _f(c["context_limit"])
+        if limit < curve["contexts"][-1]:
+            ax.axvline(limit, color=color, ls=":", lw=1)
+    ax.axhline(_f(curve["weights_critical_batch"]), color=INK, ls="--", lw=1, label="weights alone")
+    ax.set(yscale="log", xlabel="cached length S", ylabel="batch for compute-bound decode",
+           title=f"{preset}; dotted: beyond this S no batch is compute-bound")
+    _plain(ax, "y")
+    ax.grid(True, which="major")
+    ax.legend(loc="upper left")
+    return fig
+
+
+@_styled
+def plot_concurrency(values: dict) -> Figure:
+    """Sequences that fit in the memory budget against their length: layouts (left) and formats (right)."""
+    sw = values["memory"]["sweep"]
+    n = sw["lengths"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.0), sharey=True)
+    for layout, color in zip(("MHA", "GQA", "MQA"), SERIES, strict=False):
+        left.plot(n, sw["paged"][f"{layout}/float32"], color=color, label=f"{layout}, paged")
+    left.axhline(sw["plain"]["MHA/float32"], color=SERIES[0], ls="--", lw=1, label="MHA, plain")
+    for fmt, color in zip(("float32", "bfloat16", "int8"), SERIES, strict=False):
+        right.plot(n, sw["paged"][f"MHA/{fmt}"], color=color, label=f"{fmt}, paged")
+    right.axhline(sw["plain"]["MHA/int8"], color=SERIES[2], ls="--", lw=1, label="int8, plain")
+    left.set(yscale="log", xlabel="tokens per sequence", ylabel="sequences that fit", title="float32")
+    right.set(yscale="log", xlabel="tokens per sequence", title="MHA")
+    for ax in (left, right):
+        _plain(ax, "y")
+        ax.grid(True, which="major")
+        ax.legend(loc="upper right", fontsize=8)
+    return fig
+
+
+@_styled
+def plot_floor_ops(values: dict) -> Figure:
+    """Bandwidth each kind of operation of a decode step achieves, the model's and the lean step's."""
+    ops = values["floor_ops"]
+    names = [k for k in ("q/k/v projections", "output projection", "MLP up", "MLP down", "head", "attention")
+             if k in ops["model"]["operations"]]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    ys = range(len(names))
+    for i, (key, label, color) in enumerate((("model", "the model", SERIES[0]), ("lean", "lean step", SERIES[1]))):
+        rows = ops[key]["operations"]
+        ax.barh([y + 0.4 * i for y in ys], [rows[k]["bytes_per_s"] / 1e9 for k in names], 0.4, color=color,
+                label=label)
+    ax.axvline(ops["bandwidth"]["wall"] / 1e9, color=INK, ls="--", label="streaming bandwidth")
+    ax.set_yticks([y + 0.2 for y in ys], names)
+    ax.invert_yaxis()
+    ax.set(xlabel="GB/s achieved", title=f"{ops['preset']} decode step at position {ops['model']['position']}")
+    ax.legend(loc="lower right")
+    return fig
+
+
+@_styled
+def plot_window_vs_concat(values: dict) -> Figure:
+    """Decode step time with the window cache and the concatenating cache against the cached length (median, IQR)."""
+    wc = values["window_vs_concat"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    for name, label, color in (("window", "WindowCache (slice write)", SERIES[0]),
+                               ("cat", "ConcatCache (torch.cat)", SERIES[1])):
+        ax.plot(wc["keys"], [t * 1e3 for t in wc[f"{name}_s"]], "o-", color=color, label=label)
+        ax.fill_between(wc["keys"], [q[0] * 1e3 for q in wc[f"{name}_q"]], [q[1] * 1e3 for q in wc[f"{name}_q"]],
+                        color=color, alpha=0.2, lw=0)
+    ax.set(xlabel="keys attended to", ylabel="ms per decode step", ylim=(0, None))
+    ax.grid(True)
+    ax.legend(loc="lower right")
+    return fig
+
+
+@_styled
+def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
+    """Decode step time over the bandwidth floor against the position: the model, the lean step, products only."""
+    res = values["floor"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    ax.plot(res["positions"], res["ratio"], "o-", color=SERIES[0], label="the model")
+    for (name, label), color in zip((("products only", "its tensor operations only"), ("lean", "lean step")),
+                                    SERIES[1:], strict=False):
+        if name in res.get("variants", {}):
+            ax.plot(res["positions"], res["variants"][name]["ratio"], "s-", color=color, label=label)
+    ax.axhline(target, color="tab:red", ls="--", lw=1, label=f"target {target}x")
+    ax.axhline(1.0, color=INK, lw=1)
+    ax.set(xlabel="position of the new token", ylabel="step time / floor", ylim=(0.9, None))
+    ax.grid(True)
+    ax.legend(loc="upper left", ncol=2)
+    return fig
+
+
+@_styled
+def plot_rows(values: dict) -> Figure:
+    """FLOP/s of products with R rows through one weight, against the roofline at their intensity: the soft ridge."""
+    mach = values["roofline_machine"]
+    rows = mach["rows"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    r = [x["rows"] for x in rows]
+    for clock, key, color, label in (("wall", "flops_per_s", SERIES[0], "wall clock"),
+                                     ("cpu", "cpu_flops_per_s", SERIES[1], "process CPU time")):
+        peak, bw = mach[clock]["peak_flops_per_s"], mach[clock]["bandwidth_bytes_per_s"]
+        ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=color, lw=1,
+                label=f"roofline, {label}")
+        ax.plot(r, [x[key] / 1e9 for x in rows], "o", color=color, label=f"measured, {label}")
+    ax.set(xscale="log", yscale="log", xlabel="rows R multiplied by the weight", ylabel="GFLOP/s")
+    _plain(ax, "x", base=2)
+    _plain(ax, "y")
+    ax.grid(True, which="major")
+    ax.legend(loc="lower right")
+    return fig
+
+
 PLOTS = {
     "append": plot_append,
     "append_attention": plot_append_attention,
     "generation": plot_generation,
     "speedup": plot_speedup,
     "floor": plot_floor,
+    "roofline": plot_roofline,
+    "roofline_fit": plot_roofline_fit,
+    "rows": plot_rows,
+    "batch": plot_batch,
+    "critical_batch": plot_critical_batch,
+    "concurrency": plot_concurrency,
+    "floor_ops": plot_floor_ops,
+    "floor_ratio": plot_floor_ratio,
+    "window_vs_concat": plot_window_vs_concat,
 }
 
 

@@ -1,0 +1,154 @@
+"""The roofline of chapter 7: FLOPs and bytes per forward call, counted by hand, and the time they predict.
+
+Every expected number below is worked out by hand from the `micro` preset (L = 2, H = Hkv = 2,
+C = 16, D = 8, V = 64); the comments show the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labcode import GPT, get_config
+from labcode.flops import forward_flops, linear_params
+from labcode.roofline import (
+    Machine,
+    StepCost,
+    context_limit,
+    critical_batch,
+    decode_cost,
+    element_bytes,
+    predict,
+    prefill_cost,
+    step_cost,
+    uncached_cost,
+    weight_elements,
+    weights_critical_batch,
+)
+
+MICRO = get_config("micro")
+
+
+def test_micro_counts_by_hand():
+    assert linear_params(MICRO) == 2 * (16 * 16 + 16 * 32 + 16 * 16 + 8 * 16 * 16) + 16 * 64 == 7168
+    # per layer: q bias 16, kv bias 32, out bias 16, fc bias 64, proj bias 16, two LayerNorms 2 x 32; ln_f 32
+    assert weight_elements(MICRO, 1) == 7168 + 2 * 208 + 32 + 1 * 16 == 7632
+    assert weight_elements(MICRO, 40) == 7168 + 448 + 16 * 16  # no more rows than the position table holds
+
+
+def test_weights_are_every_parameter_and_one_row_of_positions_per_token():
+    for cfg in (MICRO, get_config("tiny"), get_config("tiny", n_kv_heads=1)):
+        model = GPT(cfg)
+        table = model.pos_emb.weight.numel()
+        assert weight_elements(cfg, 3) == model.num_params() - table + 3 * cfg.d_model
+    rotary = get_config("tiny", rotary=True)
+    assert weight_elements(rotary, 5) == GPT(rotary).num_params()  # no position table to read
+
+
+def test_decode_step_at_micro_by_hand():
+    cost = decode_cost(MICRO, 5)  # one token after 5 cached, B = 1, float32
+    assert cost == StepCost(
+        flops_linear=2 * 7168,  # 2 FLOPs per weight
+        flops_attention=4 * 2 * 2 * 1 * 6 * 8,  # 4 L H T (S + T) D
+        weight_bytes=4 * 7632,
+        kv_read_bytes=6 * (2 * 2 * 2 * 8 * 4),  # 6 keys x (K and V, 2 layers, 2 heads, D = 8, 4 bytes)
+        kv_write_bytes=1 * 256,
+        # per layer: q 16 + 16, kv 16 + 32, out 16 + 16, fc 16 + 64, proj 64 + 16 = 272; head 16 + 64
+        act_linear_bytes=4 * (2 * 272 + 16 + 64),
+        # per layer: q read and output written (2 x 16), 6 passes over the 2 x 1 x 6 scores (no mask at T = 1)
+        act_attention_bytes=4 * 2 * (2 * 16 + 6 * 2 * 6),
+        # per layer: LayerNorms 4C, GELU 8C, residual additions 6C; once: embeddings 4C, ln_f 2C; new K/V read 2 x 16
+        act_other_bytes=4 * (2 * 18 * 16 + 6 * 16 + 2 * 32),
+    )
+    assert cost.flops == 15104 and cost.bytes == 30528 + 1536 + 256 + 2496 + 832 + 2944 == 38592
+    assert cost.intensity == pytest.approx(15104 / 38592)
+
+
+def test_prefill_chunk_in_bfloat16_by_hand():
+    cost = prefill_cost(MICRO, 4, 3, batch=2, dtype=torch.bfloat16)  # 4 new tokens after 3 cached, B = 2
+    assert cost.flops_linear == 2 * 2 * 4 * 7168
+    assert cost.flops_attention == 4 * 2 * 2 * 2 * 4 * 7 * 8  # B L H T (S + T) D
+    assert cost.weight_bytes == 2 * (7168 + 448 + 4 * 16)
+    assert cost.kv_read_bytes == 2 * 7 * 128 and cost.kv_write_bytes == 2 * 4 * 128  # 128 bytes per token
+    assert cost.act_linear_bytes == 2 * 8 * 624  # 8 rows
+    assert cost.act_attention_bytes == 2 * 2 * (2 * 8 * 16 + 8 * 2 * 2 * 4 * 7)  # 8 passes: the mask adds two
+    assert cost.act_other_bytes == 2 * (8 * 672 + 2 * 8 * 32)
+
+
+def test_uncached_step_reads_its_own_keys_and_writes_none():
+    cost = uncached_cost(MICRO, 5)
+    assert cost.kv_read_bytes == 5 * 256 and cost.kv_write_bytes == 0
+    assert cost.act_other_bytes == 4 * 5 * 672  # no new K/V to copy into a cache
+    assert cost.flops == forward_flops(MICRO, 5, 0, 1) == 2 * 5 * 7168 + 4 * 2 * 2 * 5 * 5 * 8
+    with pytest.raises(ValueError, match="s_cached: expected 0 for a call without a cache, got 3"):
+        step_cost(MICRO, 5, 3, cached=False)
+
+
+@pytest.mark.parametrize("name", ["micro", "tiny", "small", "gpt2-124m"])
+def test_flops_are_the_counted_flops_and_bytes_grow_linearly_in_batch(name):
+    cfg = get_config(name)
+    for t, s in ((1, 0), (1, 700 % cfg.context_length), (7, 3)):
+        one, three = step_cost(cfg, t, s, 1), step_cost(cfg, t, s, 3)
+        assert one.flops == forward_flops(cfg, t, s, 1) and three.flops == forward_flops(cfg, t, s, 3)
+        assert three.weight_bytes == one.weight_bytes  # read once for the whole batch
+        assert three.bytes - three.weight_bytes == 3 * (one.bytes - one.weight_bytes)
+
+
+def test_quantised_cache_bytes_and_bad_input():
+    assert decode_cost(MICRO, 9, kv_bytes_per_token=100).kv_read_bytes == 10 * 100
+    assert element_bytes("bfloat16") == element_bytes(torch.float16) == 2 and element_bytes(torch.float64) == 8
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        element_bytes("float8")
+    with pytest.raises(ValueError, match="t_new: expected an int >= 1, got 0"):
+        step_cost(MICRO, 0)
+    with pytest.raises(ValueError, match="batch: expected an int >= 1, got 2.0"):
+        step_cost(MICRO, 1, 0, 2.0)
+    with pytest.raises(ValueError, match="Machine.bandwidth_bytes_per_s: expected a positive number"):
+        Machine(1e9, 0.0)
+
+
+def test_prediction_of_a_memory_bound_step_by_hand():
+    machine = Machine(peak_flops_per_s=1e9, bandwidth_bytes_per_s=1e8, overhead_s_per_op=1e-6)
+    p = predict(decode_cost(MICRO, 5), machine, ops=100)
+    # every part is memory-bound: (33024 + 2368 + 3200) bytes / 1e8 = 385.92 µs, plus 100 operations x 1 µs
+    assert p.t_memory == pytest.approx(38592 / 1e8) and p.t_math == pytest.approx(15104 / 1e9)
+    assert p.t_parts == pytest.approx(385.92e-6) and p.t_overhead == pytest.approx(100e-6)
+    assert p.seconds == pytest.approx(485.92e-6) and p.bound == "memory"
+    assert p.t_roofline == p.t_memory
+    overlapped = Machine(1e9, 1e8, 1e-6, overlapped=True)  # a GPU queues operations: the overhead hides
+    assert predict(decode_cost(MICRO, 5), overlapped, ops=100).seconds == pytest.approx(385.92e-6)
+    assert predict(decode_cost(MICRO, 5), overlapped, ops=1000).bound == "overhead"
+
+
+def test_each_kind_of_operation_is_held_to_its_own_limit():
+    machine = Machine(peak_flops_per_s=1e6, bandwidth_bytes_per_s=1e8)
+    p = predict(decode_cost(MICRO, 5), machine)
+    # products: max(14336 / 1e6, 33024 / 1e8) = 14.336 ms; attention: max(0.768 ms, 0.02368 ms); elementwise 0.032 ms
+    assert p.t_parts == pytest.approx(14.336e-3 + 0.768e-3 + 0.032e-3)
+    assert p.t_parts >= p.t_roofline == p.t_math and p.bound == "compute"
+
+
+def test_critical_batch_by_hand_and_by_its_definition():
+    machine = Machine(peak_flops_per_s=1e9, bandwidth_bytes_per_s=1e9)
+    # w = 30528 bytes, each sequence 15104 FLOPs and 38592 - 30528 = 8064 bytes: B* = 30528 / (15104 - 8064)
+    b = critical_batch(MICRO, 5, machine)
+    assert b == pytest.approx(30528 / 7040)
+    below, above = (predict(decode_cost(MICRO, 5, n), machine) for n in (math.floor(b), math.ceil(b)))
+    assert below.t_math < below.t_memory and above.t_math >= above.t_memory
+    assert weights_critical_batch(MICRO, machine) == pytest.approx(30528 / 14336)
+
+
+def test_long_contexts_are_never_compute_bound():
+    cfg = get_config("gpt2-124m")
+    machine = Machine(peak_flops_per_s=50e9, bandwidth_bytes_per_s=10e9)
+    s_max = context_limit(cfg, machine)
+    assert 0 < s_max < math.inf
+    assert critical_batch(cfg, math.floor(s_max), machine) < math.inf
+    assert critical_batch(cfg, math.ceil(s_max), machine) == math.inf
+    assert critical_batch(cfg, 0, machine) < critical_batch(cfg, 512, machine)  # the K/V push it out
+    # memory so fast that every key's FLOPs outweigh its bytes: some batch is compute-bound at any length
+    assert context_limit(cfg, Machine(peak_flops_per_s=1e9, bandwidth_bytes_per_s=1e12)) == math.inf
+    # arithmetic so fast that no batch is compute-bound even with nothing cached
+    assert context_limit(cfg, Machine(peak_flops_per_s=1e15, bandwidth_bytes_per_s=1e9)) == 0.0
