@@ -23,14 +23,9 @@ PROMPT = torch.randint(0, CFG.vocab_size, (3, 6), generator=torch.Generator().ma
 KINDS = [*CORE, "naive", "scattered"]  # every kind that holds a batch of rows, through generate unchanged
 
 
-class Factories(dict):
-    """kind -> model -> an empty cache with room for the whole position table (batch of 3 where it matters)."""
-
-    def __missing__(self, kind):
-        return lambda m: make_cache(kind, m, batch=3)
-
-
-FACTORIES = Factories()
+def fresh(kind: str, model):
+    """An empty cache of `kind` with room for the whole position table (rows for a batch of 3 where it matters)."""
+    return make_cache(kind, model, batch=3)
 
 
 def test_budget_is_the_room_left_in_the_position_table():
@@ -45,7 +40,7 @@ def test_prompt_6_capacity_10_asked_20_generates_4_and_keeps_the_prompt(kind):
     if kind == "nocache":
         out = generate_nocache(MODEL, PROMPT, 20)
     else:
-        out = generate(MODEL, PROMPT, 20, FACTORIES[kind](MODEL))
+        out = generate(MODEL, PROMPT, 20, fresh(kind, MODEL))
     assert out.new_tokens == 4 and out.stop_reason == "context_length"
     assert out.ids.shape == (3, 10) and torch.equal(out.ids[:, :6], PROMPT)
     assert len(out.step_logits) == 4
@@ -54,7 +49,7 @@ def test_prompt_6_capacity_10_asked_20_generates_4_and_keeps_the_prompt(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_batch_of_three_matches_the_reference(kind):
     ref = generate_nocache(MODEL, PROMPT[:, :3], 7)
-    out = generate(MODEL, PROMPT[:, :3], 7, FACTORIES[kind](MODEL), chunk_size=2)
+    out = generate(MODEL, PROMPT[:, :3], 7, fresh(kind, MODEL), chunk_size=2)
     assert torch.equal(out.ids, ref.ids) and out.stop_reason == ref.stop_reason == "max_new_tokens"
     assert max((a - r).abs().max().item() for a, r in zip(out.step_logits, ref.step_logits, strict=True)) <= TOL64
     assert out.positions_computed == [3] + [1] * 6  # prefill, then one position per step
@@ -65,8 +60,8 @@ def test_greedy_batch_of_three_matches_the_reference(kind):
 def test_seeded_sampling_matches_the_reference(kind):
     opts = {"temperature": 1.3, "top_k": 9, "top_p": 0.9}
     ref = generate_nocache(MODEL, PROMPT, 4, generator=torch.Generator().manual_seed(7), **opts)
-    out = generate(MODEL, PROMPT, 4, FACTORIES[kind](MODEL), generator=torch.Generator().manual_seed(7), **opts)
-    other = generate(MODEL, PROMPT, 4, FACTORIES[kind](MODEL), generator=torch.Generator().manual_seed(8), **opts)
+    out = generate(MODEL, PROMPT, 4, fresh(kind, MODEL), generator=torch.Generator().manual_seed(7), **opts)
+    other = generate(MODEL, PROMPT, 4, fresh(kind, MODEL), generator=torch.Generator().manual_seed(8), **opts)
     assert torch.equal(out.ids, ref.ids)
     assert not torch.equal(other.ids, ref.ids)  # the generator, and only it, decides the samples
 
@@ -108,7 +103,7 @@ def test_prefill_of_a_prompt_longer_than_the_window():
 @pytest.mark.parametrize("chunk", [None, 1, 2, 4, 5])
 def test_prefill_in_chunks_equals_the_full_forward(chunk):
     for kind in KINDS:
-        last = prefill(MODEL, PROMPT, FACTORIES[kind](MODEL), chunk_size=chunk)
+        last = prefill(MODEL, PROMPT, fresh(kind, MODEL), chunk_size=chunk)
         assert (last - MODEL(PROMPT)[:, -1]).abs().max().item() <= TOL64, kind
 
 
