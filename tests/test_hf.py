@@ -221,8 +221,14 @@ def gpt2_folder(tmp_path_factory):
     from tokenizers import ByteLevelBPETokenizer
 
     folder = tmp_path_factory.mktemp("gpt2-random")
-    torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config()).eval()
+    with torch.device("meta"):  # HF's own random init costs twice as much as drawing the weights here
+        hf = GPT2LMHeadModel(GPT2Config())
+    hf = hf.to_empty(device="cpu").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # GPT-2's init scale, with random biases and LayerNorm gains
+            p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, 0.02, generator=g)
+    hf.tie_weights()
     hf.save_pretrained(folder)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator([PROMPT * 4], vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
@@ -235,13 +241,13 @@ def test_pretrained_path_end_to_end_on_a_random_gpt2_124m(gpt2_folder):
     folder, hf = gpt2_folder
     model, tok = load_pretrained_gpt2(str(folder), device="cpu")
     assert isinstance(tok, HFTokenizer) and not model.training and model.dtype == torch.float32
-    assert model.cfg == get_config("gpt2-124m").with_(dropout=0.1)
-    assert model.num_params() == 124_439_808
-    assert_same_tensors(hf_state_dict(model), hf.state_dict())
+    assert model.cfg == get_config("gpt2-124m").with_(dropout=0.1)  # GPT-2's dropout, active only in train()
+    assert model.num_params() == hf.num_parameters() == 124_439_808
     ids = tok.encode_tensor(PROMPT)
     assert tok.decode(ids[0]) == PROMPT
     with torch.no_grad():
-        assert max_diff(model(ids), hf(ids).logits) <= TOL32
+        ours, theirs = model(ids), hf(ids).logits
+    assert theirs.abs().max() > 1 and max_diff(ours, theirs) <= TOL32
     out = generate(model, ids, 2, ConcatCache(model.cfg.n_layers))  # random weights: any of the V ids may follow
     assert out.ids.shape == (1, ids.shape[1] + 2) and 0 <= out.ids.min() and out.ids.max() < model.cfg.vocab_size
 
