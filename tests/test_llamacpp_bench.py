@@ -67,5 +67,5 @@ def test_a_failed_build_fails_its_check(monkeypatch, tmp_path, capsys, build_ok,
     monkeypatch.setattr(llamacpp.subprocess, "run", run)
     assert llamacpp.main(["--out", str(tmp_path / "r.json")]) == 1
     out = capsys.readouterr().out
-    assert reason in out and "llamacpp_build/wheel_built" in out and "<temporary folder>" in out
+    assert reason in out and "llamacpp/wheel_built" in out and "<temporary folder>" in out
     assert (tmp_path / "r.json").exists()  # written anyway, so the reason can be read

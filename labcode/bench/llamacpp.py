@@ -94,7 +94,8 @@ def time_build(version: str = VERSION, timeout: float = 3600) -> dict:
 def record(measured: dict, version: str = VERSION) -> QAResult:
     """The result document of one timed build (`time_build`'s dict): machine facts recorded, never compared."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    qa = QAResult("llamacpp_build", {"version": version, "cmake_args": CMAKE_ARGS,
+    # Named after this module: the verification report names `python -m labcode.bench.<name>` as the writer.
+    qa = QAResult("llamacpp", {"version": version, "cmake_args": CMAKE_ARGS,
                                      "budget_seconds": TEST_COMMAND_BUDGET_S}, machine_dependent=True)
     why = "a timing of this machine's build"
     qa.value("download_seconds", measured["download_seconds"], recorded(why))
@@ -113,7 +114,7 @@ def record(measured: dict, version: str = VERSION) -> QAResult:
     qa.value("wheel", measured["wheel"], recorded("its platform tag names this machine's platform"))
     qa.value("wheel_bytes", measured["wheel_bytes"], recorded("depends on the compiler"))
     qa.value("error", measured["error"], recorded("why the build failed, if it did"))
-    qa.check("llamacpp_build/wheel_built", f"llama-cpp-python {version} builds from source into a wheel here",
+    qa.check("llamacpp/wheel_built", f"llama-cpp-python {version} builds from source into a wheel here",
              measured["wheel"] is not None and measured["error"] is None, True, "==")
     return qa
 
