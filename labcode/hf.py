@@ -10,8 +10,14 @@ it never downloads unless asked to.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from tqdm import TqdmWarning
+
+with warnings.catch_warnings():  # in a notebook without ipywidgets, transformers' tqdm.auto warns on import
+    warnings.simplefilter("ignore", TqdmWarning)
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from labcode.checkpoint import default_device
 from labcode.config import GPTConfig
