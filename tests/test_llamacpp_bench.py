@@ -47,7 +47,8 @@ def test_the_commands_pin_the_version_and_keep_nothing():
 def test_a_timed_build_is_a_recorded_benchmark(monkeypatch, tmp_path):
     run, calls = fake_pip()
     monkeypatch.setattr(llamacpp.subprocess, "run", run)
-    measured = llamacpp.time_build()
+    measured = llamacpp.time_build(keep_wheel=tmp_path / "kept")
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == [measured["wheel"]]
     assert [c[0][3] for c in calls] == ["download", "wheel"]
     assert all(env["CMAKE_ARGS"] == "-DGGML_NATIVE=OFF" for _, env in calls)
     assert calls[1][0][-3].endswith("llama_cpp_python-0.3.36.tar.gz")  # the build reads the downloaded archive

@@ -66,8 +66,9 @@ def tool_version(tool: str) -> str:
     return (out.stdout or out.stderr).splitlines()[0].strip() if out.returncode == 0 else "unknown"
 
 
-def time_build(version: str = VERSION, timeout: float = 3600) -> dict:
-    """Download the source archive, then build its wheel, in a temporary folder; times and outcome."""
+def time_build(version: str = VERSION, timeout: float = 3600, keep_wheel: str | Path | None = None) -> dict:
+    """Download the source archive, then build its wheel, in a temporary folder; times and outcome.
+    `keep_wheel`: a folder to copy the built wheel to (to install it without building again)."""
     env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS}
     load_before = os.getloadavg()[0]  # other work on the machine slows the build: say how much there was
     with tempfile.TemporaryDirectory(prefix="llamacpp-build-") as tmp:
@@ -88,6 +89,9 @@ def time_build(version: str = VERSION, timeout: float = 3600) -> dict:
                       load_average=[load_before, os.getloadavg()[0]])
         if built.returncode != 0 or not wheels:
             result["error"] = "build failed: " + _last_line(built.stderr, tmp)
+        elif keep_wheel is not None:
+            Path(keep_wheel).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(wheels[0], Path(keep_wheel) / wheels[0].name)
         return result
 
 
@@ -125,10 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="result file, e.g. qa/results/llamacpp_build.json")
     parser.add_argument("--version", default=VERSION, help="llama-cpp-python version (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per pip call (default: %(default)s)")
+    parser.add_argument("--keep-wheel", metavar="DIR", default=None,
+                        help="copy the built wheel here (pip install it later without building again)")
     args = parser.parse_args(argv)
     print(f"downloading and building llama-cpp-python {args.version} (CMAKE_ARGS={CMAKE_ARGS}); "
           "about 4 minutes of every core on a 2-core machine")
-    qa = record(time_build(args.version, args.timeout), args.version)
+    qa = record(time_build(args.version, args.timeout, args.keep_wheel), args.version)
     values = qa.doc["values"]
     if values["error"]:
         print(values["error"])
