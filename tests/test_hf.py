@@ -41,6 +41,14 @@ PROMPT = "The sleepy fox walked to the mill."
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """Nothing here may reach the Hugging Face Hub: huggingface_hub refuses every request in offline mode."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
@@ -269,9 +277,10 @@ def test_pretrained_path_reads_the_local_cache_only_unless_asked(monkeypatch):
     assert main(["--download", "gpt2"]) == 1
 
 
-def test_a_name_missing_from_the_cache_fails_cleanly_offline():
+@pytest.mark.parametrize("download", [False, True])
+def test_a_name_missing_from_the_cache_fails_cleanly_offline(download):
     with pytest.raises(PretrainedUnavailable, match="^name: expected GPT-2 weights 'kvcv-test/absent-model'"):
-        load_pretrained_gpt2("kvcv-test/absent-model")  # local_files_only: no network is tried
+        load_pretrained_gpt2("kvcv-test/absent-model", download=download)  # offline: asking to download fails too
 
 
 def test_tokenizer_adapter_rejects_ids_outside_its_vocabulary(gpt2_folder):
