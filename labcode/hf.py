@@ -150,10 +150,13 @@ def to_hf(model: GPT, attn_implementation: str | None = None) -> GPT2LMHeadModel
 
 
 def _no_meta(module: torch.nn.Module, where: str) -> None:
-    """Raise if a tensor built on the meta device was not set by the loaded weights."""
+    """Raise if a tensor built on the meta device (a parameter, a buffer or a plain tensor attribute)
+    was not set by the loaded weights."""
     left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    left += [f"{prefix}.{k}".lstrip(".") for prefix, m in module.named_modules() for k, v in vars(m).items()
+             if isinstance(v, torch.Tensor) and v.is_meta]
     if left:
-        raise RuntimeError(f"{where}: expected every parameter and buffer set by the weights, got unset {left}")
+        raise RuntimeError(f"{where}: expected every tensor set by the weights, got unset {sorted(set(left))}")
 
 
 def from_hf(hf_model: GPT2LMHeadModel) -> GPT:
@@ -172,6 +175,7 @@ def from_hf(hf_model: GPT2LMHeadModel) -> GPT:
     if missing:  # a non-persistent buffer would be left uninitialised by to_empty
         raise RuntimeError(f"from_hf: expected no buffers outside the state_dict, got {sorted(missing)}")
     model.load_state_dict(course_state_dict(state, cfg), strict=True)
+    _no_meta(model, "from_hf")
     return model.train(hf_model.training)
 
 
