@@ -222,3 +222,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_grad():
+    """Inference only: no autograd graph is built (the cache tests never train)."""
+    import torch
+
+    with torch.no_grad():
+        yield

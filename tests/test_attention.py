@@ -9,14 +9,12 @@ from hypothesis import strategies as st
 
 from labcode.attention import (
     MemoryTracker,
-    interleaved_samples,
     measure_memory,
-    median,
     online_softmax_attention,
     repeat_kv_attention,
     sdpa_attention,
-    time_interleaved,
 )
+from labcode.bench.timing import interleaved_samples, median, time_interleaved
 from labcode.masks import causal_mask
 from labcode.model import attend
 
