@@ -18,12 +18,12 @@ from labcode.caches.base import CacheError, KVCache, states_equal
 from labcode.caches.concat import ConcatCache
 from labcode.caches.window import WindowCache
 from labcode.checks import fail, is_int
-from labcode.engines.paged import BlockPool, PagedCache
-from labcode.generate import generate, prefill
-from labcode.model import GPT
 from labcode.distributed.pipeline import PipelineStage
 from labcode.distributed.tensor_parallel import shard_model
 from labcode.distributed.transfer import TransferError, pack, recv_bytes, send_bytes, unpack
+from labcode.engines.paged import BlockPool, PagedCache
+from labcode.generate import generate, prefill
+from labcode.model import GPT
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from torch import nn
 from labcode.caches.base import KVCache
 from labcode.checks import fail, is_int
 from labcode.cost import kv_cache_bytes
-from labcode.model import GPT, CausalSelfAttention, attend, rotate
 from labcode.masks import causal_mask
+from labcode.model import GPT, CausalSelfAttention, attend, rotate
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from labcode.caches.concat import ConcatCache
+from labcode.distributed.jobs import new_cache, run_request
+from labcode.distributed.transfer import payload_bytes
 from labcode.generate import generate
 from labcode.model import GPT
 from labcode.roofline import element_bytes
-from labcode.distributed.jobs import new_cache, run_request
-from labcode.distributed.transfer import payload_bytes
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
