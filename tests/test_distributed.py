@@ -375,3 +375,12 @@ def test_command_line_joins_a_group_described_as_torchrun_does(tmp_path):
     assert json.loads(outs[0].read_text().strip().splitlines()[-1]) == {"job": "hello", "sums": [3.0, 3.0],
                                                                         "passed": True}
     assert outs[1].read_text().strip() == ""  # only rank 0 reports
+
+
+def test_messages_shown_on_pages_hide_the_digests_only():
+    from labcode.distributed.transfer import without_digests
+
+    message = "checksum: expected sha256 0123456789ab... (the sender's), got fedcba987654... (a corrupted transfer)"
+    assert without_digests(message) == ("checksum: expected sha256 <sha256>... (the sender's), got <sha256>... "
+                                        "(a corrupted transfer)")
+    assert without_digests("blob: expected 43008 payload bytes") == "blob: expected 43008 payload bytes"

@@ -65,7 +65,7 @@ def default_start_method() -> str:
     return "fork" if sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods() else "spawn"
 
 
-def launch(fn: Callable, nprocs: int, *args, timeout: float = 60.0, method: str | None = None, **kwargs) -> list:
+def launch(fn: Callable, nprocs: int, *args, timeout: float = 300.0, method: str | None = None, **kwargs) -> list:
     """Run `fn(rank, nprocs, *args, **kwargs)` in `nprocs` processes joined in one gloo group on loopback.
 
     Returns what each rank returned, in rank order (`fn` must be importable, and its result
