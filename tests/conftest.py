@@ -92,6 +92,32 @@ def pytest_collection_modifyitems(session, config, items):
     if CAPTURE:
         shutil.rmtree(EXECUTED, ignore_errors=True)
     _runs.clear()
+    if CAPTURE and any(i.name == PORTABILITY_TEST for i in items):
+        from test_portability import launch  # the second pass starts now and runs beside this one
+
+        _portability.append(launch())
+
+
+PORTABILITY_TEST = "test_notebooks_and_results_hold_under_other_kernels_and_threads"
+_portability: list = []  # the background portability pass, when this session runs its test
+
+
+@pytest.fixture(scope="session")
+def portability_pass():
+    """The portability pass started at collection (tests/test_portability.py)."""
+    if not _portability:
+        from test_portability import launch
+
+        _portability.append(launch())
+    return _portability[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Never leave the background pass running (an interrupted session, or its test deselected)."""
+    for run in _portability:
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait()
 
 
 SESSION_START = time.time()
