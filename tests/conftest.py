@@ -28,6 +28,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# No test downloads anything, and none sees a Hugging Face cache the developer may have: chapter 1's
+# optional GPT-2 cell then skips itself on every machine (the notebooks' kernels inherit this).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = str(ROOT / "_build" / "empty-hf-home")
 BOOK_OUT = ROOT / "_build" / "test-book"
 EXECUTED = ROOT / "_build" / "test-executed"  # notebooks as nbval executed them in this session
 STAGE = ROOT / "_build" / "test-source"  # the book's sources, with those executions in place
