@@ -21,6 +21,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,13 +89,26 @@ def launch(fn: Callable, nprocs: int, *args, timeout: float = 300.0, method: str
         with tempfile.TemporaryDirectory(prefix="kvcv-job-") as out:
             context = mp.start_processes(_rank_main, args=(fn, nprocs, store.port, out, args, kwargs, timeout),
                                          nprocs=nprocs, join=False, start_method=method)
-            _join(context, timeout)
+            _join(context, timeout, out)
             return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
     finally:
         del store  # closes the port
 
 
-def _join(context, timeout: float) -> None:
+def _first_failure(out: str) -> tuple[int, str] | None:
+    """(rank, traceback) of the rank that failed first, from the records the ranks wrote as they raised.
+
+    When one rank raises, its peers then fail too (their connections to it close): the first record
+    written is the cause, whichever failed process the operating system reports first.
+    """
+    records = []
+    for path in Path(out).glob("rank*.err"):
+        stamp, _, text = path.read_text().partition("\n")
+        records.append((int(stamp), int(path.stem.removeprefix("rank")), text))
+    return min(records)[1:] if records else None
+
+
+def _join(context, timeout: float, out: str) -> None:
     """Wait for every rank; stop them all at the deadline; turn a failed rank into LaunchError."""
     deadline = time.monotonic() + timeout
     try:
@@ -106,9 +120,10 @@ def _join(context, timeout: float) -> None:
                                   f"got ranks {running} still running (stopped)")
     except mp.ProcessRaisedException as e:
         _stop(context.processes)
-        lines = [line for line in e.msg.strip().splitlines() if line.strip()]
-        error = LaunchError(f"rank {e.error_index} raised {lines[-1] if lines else 'an exception'}")
-        error.traceback = e.msg  # the failed rank's whole traceback
+        rank, text = _first_failure(out) or (e.error_index, e.msg)
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        error = LaunchError(f"rank {rank} raised {lines[-1] if lines else 'an exception'}")
+        error.traceback = text  # the failed rank's whole traceback
         raise error from None
     except mp.ProcessExitedException as e:
         _stop(context.processes)
@@ -140,7 +155,14 @@ def _rank_main(rank: int, fn: Callable, world: int, port: int, out: str, args: t
     store = dist.TCPStore(LOOPBACK, port, world_size=None, is_master=False, timeout=wait)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
     try:
-        result = fn(rank, world, *args, **kwargs)
+        try:
+            result = fn(rank, world, *args, **kwargs)
+        except BaseException:
+            # Recorded before this process leaves the group: its peers fail only after this.
+            record = Path(out) / f"rank{rank}.err"
+            record.with_suffix(".err-tmp").write_text(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
+            record.with_suffix(".err-tmp").rename(record)
+            raise
         dist.barrier()  # nobody leaves while another rank may still send to it
         path = Path(out) / f"rank{rank}.pt"
         torch.save(result, path.with_suffix(".tmp"))
