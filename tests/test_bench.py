@@ -140,7 +140,8 @@ def test_every_figure_is_written(bench_run):
     assert [p.name for p in plots] == sorted(
         f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "floor", "roofline",
                                    "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
-                                   "floor_ratio", "window_vs_concat"))
+                                   "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput",
+                                   "append_medians"))
     assert all(p.stat().st_size > 5000 for p in plots)
 
 
@@ -151,7 +152,7 @@ def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
 
     values = bench_run[0]["values"]
     for name in ("roofline", "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
-                 "floor_ratio", "window_vs_concat"):
+                 "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput", "append_medians"):
         fig = PLOTS[name](values)
         try:
             fig.canvas.draw()  # tick labels get their text when drawn
