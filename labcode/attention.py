@@ -1,4 +1,4 @@
-"""Attention kernels for decode, and tools to measure them.
+"""Attention kernels for decode, and a tool to measure the memory they allocate (timers: `labcode.bench.timing`).
 
 Introduced in chapter 8. `online_softmax_attention` is the flash-attention recurrence
 written blockwise in PyTorch: one pass over the keys with a running maximum, a running
@@ -10,7 +10,6 @@ its query heads; `labcode.model.attend` is the grouped version that copies nothi
 from __future__ import annotations
 
 import math
-import time
 import weakref
 from collections.abc import Callable
 
@@ -140,36 +139,6 @@ def measure_memory(fn: Callable, *args, **kwargs) -> dict:
         out = fn(*args, **kwargs)
     del out
     return {"largest": tracker.largest, "peak": tracker.peak}
-
-
-def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int = 20,
-                        warmup: int = 3) -> dict[str, list[float]]:
-    """Seconds per call of each zero-argument function, `repeats` rounds of one call each, after `warmup` rounds.
-
-    The functions take turns within every round, so a busy moment on the machine hits all of them alike,
-    and sample i of every function comes from the same round (ratios per round are fair).
-    """
-    if repeats <= 0 or warmup < 0:
-        raise ValueError(f"repeats, warmup: expected > 0 and >= 0, got {repeats}, {warmup}")
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for rep in range(warmup + repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if rep >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return times
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
-
-
-def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each zero-argument function, timed in turns (see `interleaved_samples`)."""
-    return {name: median(ts) for name, ts in interleaved_samples(fns, repeats, warmup).items()}
 
 
 # -- Flash-Decoding: split the keys, compute the splits independently, merge with log-sum-exp ----------------------

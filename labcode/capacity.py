@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from labcode.caches.base import is_count
+from labcode.checks import is_int
 from labcode.cost import kv_cache_bytes
 
 
@@ -37,7 +37,7 @@ LAYOUTS = ("MHA", "GQA", "MQA")
 
 
 def _positive(name: str, value: object) -> int:
-    if not is_count(value) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
 
@@ -78,7 +78,7 @@ def kv_heads_for(layout: str, n_heads: int, group: int = 4) -> int:
 
 def blocks_for(length: int, block_size: int) -> int:
     """Blocks a sequence of `length` tokens takes: ceil(length / block size)."""
-    if not is_count(length) or length < 0:
+    if not is_int(length) or length < 0:
         raise ValueError(f"length: expected an int >= 0, got {length!r}")
     return -(-length // _positive("block_size", block_size))
 
@@ -90,14 +90,14 @@ def unused_slots(length: int, block_size: int) -> int:
 
 def contiguous_fit(budget_bytes: int, max_len: int, token_bytes: int) -> int:
     """Sequences that fit when each reserves `max_len` tokens up front (a preallocated cache per sequence)."""
-    if not is_count(budget_bytes) or budget_bytes < 0:
+    if not is_int(budget_bytes) or budget_bytes < 0:
         raise ValueError(f"budget_bytes: expected an int >= 0, got {budget_bytes!r}")
     return budget_bytes // (_positive("max_len", max_len) * _positive("token_bytes", token_bytes))
 
 
 def paged_fit(budget_bytes: int, length: int, block_size: int, token_bytes: int) -> int:
     """Sequences of `length` tokens that fit in a pool of blocks of `block_size` tokens filling the budget."""
-    if not is_count(budget_bytes) or budget_bytes < 0:
+    if not is_int(budget_bytes) or budget_bytes < 0:
         raise ValueError(f"budget_bytes: expected an int >= 0, got {budget_bytes!r}")
     blocks = budget_bytes // (_positive("block_size", block_size) * _positive("token_bytes", token_bytes))
     per_sequence = blocks_for(length, block_size)

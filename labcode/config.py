@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from labcode.checks import fail
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -39,9 +41,10 @@ class GPTConfig:
         }
         for name, (ok, expected) in checks.items():
             if not ok:
-                raise ValueError(f"GPTConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
+                fail(f"GPTConfig.{name}", expected, repr(getattr(self, name)))
         if self.rotary and self.head_dim % 2:
-            raise ValueError(f"GPTConfig.d_model: rotary needs an even head dim, got {self.head_dim}")
+            fail("GPTConfig.d_model", "an even head dim (rotary positions turn pairs of channels)",
+                 f"head dim {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -70,5 +73,5 @@ PRESETS: dict[str, GPTConfig] = {
 def get_config(name: str, **changes) -> GPTConfig:
     """Return the preset called `name`, with optional field changes."""
     if name not in PRESETS:
-        raise KeyError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        fail("preset", f"one of {sorted(PRESETS)}", repr(name), KeyError)
     return PRESETS[name].with_(**changes) if changes else PRESETS[name]

@@ -2,7 +2,8 @@
 
 Introduced in chapter 1 (reference) and chapter 3 (cached). The reference runs the
 full forward on the whole sequence at every step and stays forever as the oracle
-every cache is checked against.
+every cache is checked against. A request is checked once, before anything runs;
+each forward pass is then checked once by the model and its cache.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labcode.sampling import sample_next
+from labcode.caches.base import CacheError, check_cache
+from labcode.checks import fail, is_int
+from labcode.sampling import Sampler
 
 
 @dataclass
@@ -20,77 +23,64 @@ class Generation:
 
     ids: torch.Tensor  # (B, P + n): the prompt, unchanged, followed by n new tokens
     new_tokens: int  # n
-    stop_reason: str  # "max_new_tokens" or "context_length"
+    stop_reason: str  # "max_new_tokens", "context_length" (the position table) or "cache_full" (the cache's room)
     step_logits: list[torch.Tensor] = field(default_factory=list)  # n tensors [B, V], one per new token
     positions_computed: list[int] = field(default_factory=list)  # positions run through the model per step
 
 
-def new_token_budget(prompt_len: int, max_new_tokens: int, context_length: int) -> tuple[int, str]:
-    """How many tokens fit, and why the loop will stop: the position table is a hard limit.
+def new_token_budget(prompt_len: int, max_new_tokens: int, context_length: int,
+                     cache_room: int | None = None) -> tuple[int, str]:
+    """How many tokens fit, and why the loop will stop: the position table is a hard limit, and so is a
+    cache's own room (`cache_room`: positions it can take after the prompt; None: no limit of its own).
 
-    `prompt_len` counts every position already used, cached ones included.
+    `prompt_len` counts every position already used, cached ones included. The last new token is
+    never fed back, so n tokens need n - 1 positions of room.
     """
-    room = max(0, context_length - prompt_len)
-    if max_new_tokens <= room:
-        return max_new_tokens, "max_new_tokens"
-    return room, "context_length"
+    limits = [(max_new_tokens, "max_new_tokens"), (max(0, context_length - prompt_len), "context_length")]
+    if cache_room is not None:
+        limits.append((cache_room + 1, "cache_full"))
+    return min(limits, key=lambda limit: limit[0])  # the first of the tightest limits names the reason
 
 
-def _check_request(model, ids: torch.Tensor, max_new_tokens: int, start: int, temperature: float,
-                   top_k: int | None, top_p: float | None, generator: torch.Generator | None) -> None:
-    """Every argument is checked before the first forward, so a bad one leaves the cache untouched."""
-    model.check_ids(ids, start)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected an integer >= 0, got {max_new_tokens!r}")
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature: expected >= 0, got {temperature}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k: expected a positive integer or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p: expected 0 < top_p <= 1 or None, got {top_p}")
-    if temperature > 0 and generator is None:
-        raise ValueError("generator: sampling needs a torch.Generator (no global seeding), got None")
+def check_prompt(model, ids: torch.Tensor, cache, chunk_size: int | None = None) -> int:
+    """Everything a prompt ids [B, P] needs from `cache`, checked before the first chunk runs; returns the chunk size.
 
-
-@torch.inference_mode()
-def generate_nocache(model, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                     top_k: int | None = None, top_p: float | None = None,
-                     generator: torch.Generator | None = None) -> Generation:
-    """Reference loop: every step runs the full forward on the whole sequence so far."""
-    _check_request(model, ids, max_new_tokens, 0, temperature, top_k, top_p, generator)
-    n, reason = new_token_budget(ids.shape[1], max_new_tokens, model.cfg.context_length)
-    out = Generation(ids=ids, new_tokens=n, stop_reason=reason)
-    for _ in range(n):
-        logits = model(out.ids)[:, -1]  # (B, V): only the last row is used
-        out.positions_computed.append(out.ids.shape[1])
-        out.step_logits.append(logits)
-        nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        out.ids = torch.cat((out.ids, nxt.unsqueeze(1)), dim=1)
-    return out
+    The prompt must fit the position table and the cache's room, and its first chunk must be
+    one the cache accepts (batch, dtype, device, chunk limit, plan): later chunks then are too.
+    """
+    check_cache(cache, model.cfg.n_layers)
+    b, p = model.check_ids(ids)
+    model.positions(None, cache.position, b, p)  # the whole prompt must fit the position table
+    room = cache.room()
+    if room is not None and p > room:
+        fail("ids", f"a prompt of at most {room} tokens (the room left in the cache)", p, CacheError)
+    size = chunk_length(cache, p, chunk_size)
+    cache.check((b, model.cfg.n_kv_heads, size, model.cfg.head_dim), model.dtype, model.device)
+    return size
 
 
 def chunk_length(cache, prompt_len: int, chunk_size: int | None) -> int:
     """The chunk length prefill uses: `chunk_size`, else the cache's `max_chunk`, else the whole prompt."""
-    limit = getattr(cache, "max_chunk", None)
+    limit = cache.max_chunk
     if chunk_size is None:
         return prompt_len if limit is None else min(prompt_len, limit)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"chunk_size: expected a positive integer or None, got {chunk_size!r}")
+    if not (is_int(chunk_size) and chunk_size > 0):
+        fail("chunk_size", "a positive integer or None", repr(chunk_size))
     if limit is not None and chunk_size > limit:
-        raise ValueError(f"chunk_size: expected at most the cache's max_chunk {limit} (its window), got {chunk_size}")
+        fail("chunk_size", f"at most the cache's max_chunk {limit} (its window)", chunk_size)
     return chunk_size
 
 
 def prefill(model, ids: torch.Tensor, cache, chunk_size: int | None = None) -> torch.Tensor:
     """Run the prompt ids [B, P] into `cache`, in chunks if asked (or if the cache needs it).
 
-    Everything is checked before the first chunk runs, so a rejected prompt leaves the
+    Everything is checked before the first chunk runs, so a refused prompt leaves the
     cache untouched. Returns the logits [B, V] of the last prompt position.
     """
-    model.check_ids(ids, cache.position)  # the whole prompt must fit the position table
-    size = chunk_length(cache, ids.shape[1], chunk_size)
-    cache.check(ids.shape[0], size, model.dtype, model.device)  # batch, dtype, device, chunk limit
-    logits = None
+    return _prefill(model, ids, cache, check_prompt(model, ids, cache, chunk_size))
+
+
+def _prefill(model, ids: torch.Tensor, cache, size: int) -> torch.Tensor:
     for start in range(0, ids.shape[1], size):
         logits = model(ids[:, start : start + size], cache)[:, -1]  # (B, V)
     return logits
@@ -98,32 +88,67 @@ def prefill(model, ids: torch.Tensor, cache, chunk_size: int | None = None) -> t
 
 def decode_step(model, token: torch.Tensor, cache) -> torch.Tensor:
     """Run one new token per row, token [B], and return the next logits [B, V]."""
+    check_cache(cache, model.cfg.n_layers)
     if not isinstance(token, torch.Tensor) or token.dim() != 1:
-        raise ValueError(f"token: expected a rank-1 tensor [B] of ids, got {getattr(token, 'shape', type(token))}")
-    return model(token.unsqueeze(1), cache)[:, -1]
+        fail("token", "a rank-1 tensor [B] of ids", getattr(token, "shape", type(token)))
+    return _decode(model, token, cache)
+
+
+def _decode(model, token: torch.Tensor, cache) -> torch.Tensor:
+    return model(token.unsqueeze(1), cache)[:, -1]  # (B, V)
+
+
+def _check_count(max_new_tokens: int) -> None:
+    if not (is_int(max_new_tokens) and max_new_tokens >= 0):
+        fail("max_new_tokens", "an integer >= 0", repr(max_new_tokens))
+
+
+@torch.inference_mode()
+def generate_nocache(model, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                     top_k: int | None = None, top_p: float | None = None,
+                     generator: torch.Generator | None = None) -> Generation:
+    """Reference loop: every step runs the full forward on the whole sequence so far."""
+    sample = Sampler(temperature, top_k, top_p, generator)
+    _check_count(max_new_tokens)
+    b, p = model.check_ids(ids)
+    model.positions(None, 0, b, p)
+    n, reason = new_token_budget(p, max_new_tokens, model.cfg.context_length)
+    out = Generation(ids=ids, new_tokens=n, stop_reason=reason)
+    for _ in range(n):
+        logits = model(out.ids)[:, -1]  # (B, V): only the last row is used
+        out.positions_computed.append(out.ids.shape[1])
+        out.step_logits.append(logits)
+        out.ids = torch.cat((out.ids, sample(logits).unsqueeze(1)), dim=1)
+    return out
 
 
 @torch.inference_mode()
 def generate(model, ids: torch.Tensor, max_new_tokens: int, cache, *, chunk_size: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              generator: torch.Generator | None = None) -> Generation:
-    """Prefill the prompt, then one decode step per new token; stops at the position-table capacity.
+    """Prefill the prompt, then one decode step per new token; stops at the position table or the cache's room.
 
     At most context_length - (cache.position + P) new tokens: the last one is never fed back.
     """
-    _check_request(model, ids, max_new_tokens, cache.position, temperature, top_k, top_p, generator)
-    chunk_length(cache, ids.shape[1], chunk_size)  # reject a bad chunk size even when nothing will run
-    n, reason = new_token_budget(cache.position + ids.shape[1], max_new_tokens, model.cfg.context_length)
+    sample = Sampler(temperature, top_k, top_p, generator)  # the request, checked once, before anything runs
+    _check_count(max_new_tokens)
+    size = check_prompt(model, ids, cache, chunk_size)
+    if cache.planned is not None:
+        fail("cache", "no pending plan (a plan covers one pass, and generate runs many)", "a plan", CacheError)
+    room = cache.room()
+    p = ids.shape[1]
+    n, reason = new_token_budget(cache.position + p, max_new_tokens, model.cfg.context_length,
+                                 None if room is None else room - p)
     out = Generation(ids=ids, new_tokens=n, stop_reason=reason)
     if n == 0:
         return out
-    logits = prefill(model, ids, cache, chunk_size)
-    out.positions_computed.append(ids.shape[1])
+    logits = _prefill(model, ids, cache, size)
+    out.positions_computed.append(p)
     for step in range(n):
         out.step_logits.append(logits)
-        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        nxt = sample(logits)  # (B,)
         out.ids = torch.cat((out.ids, nxt.unsqueeze(1)), dim=1)
         if step + 1 < n:  # the last token is never fed back: nothing would read its K/V
-            logits = decode_step(model, nxt, cache)
+            logits = _decode(model, nxt, cache)
             out.positions_computed.append(1)
     return out

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from labcode.checks import fail, is_int
 from labcode.model import rotate
 
 
 def shift_keys(k: torch.Tensor, delta: int, base: float) -> torch.Tensor:
     """Re-rotate cached rotary keys k [B, Hkv, S, D] from positions p to p + delta -> [B, Hkv, S, D]."""
     if not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[-1] % 2:
-        raise ValueError(f"k: expected a [B, Hkv, S, D] tensor with even D, got {getattr(k, 'shape', type(k))}")
-    if isinstance(delta, bool) or not isinstance(delta, int):
-        raise ValueError(f"delta: expected an integer number of positions, got {delta!r}")
+        fail("k", "a [B, Hkv, S, D] tensor with even D", getattr(k, "shape", type(k)))
+    if not is_int(delta):
+        fail("delta", "an integer number of positions", repr(delta))
     shift = torch.full((k.shape[2],), delta, dtype=torch.long, device=k.device)  # (S,) the same for every key
     return rotate(k, shift, base)
 
@@ -29,6 +30,6 @@ def context_shift(pairs: list[tuple[torch.Tensor, torch.Tensor]], n_drop: int,
     """Drop the oldest `n_drop` positions of every layer's (K, V) [B, Hkv, S, D] and move the
     kept keys to positions 0..S-n_drop-1. Returns new pairs; the pairs passed in are not modified."""
     s = pairs[0][0].shape[2]
-    if isinstance(n_drop, bool) or not isinstance(n_drop, int) or not 0 <= n_drop < s:
-        raise ValueError(f"n_drop: expected an integer with 0 <= n_drop < cached length {s}, got {n_drop!r}")
+    if not (is_int(n_drop) and 0 <= n_drop < s):
+        fail("n_drop", f"an integer with 0 <= n_drop < cached length {s}", repr(n_drop))
     return [(shift_keys(k[:, :, n_drop:], -n_drop, base), v[:, :, n_drop:]) for k, v in pairs]

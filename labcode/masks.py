@@ -7,24 +7,16 @@ may attend to this key".
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-
-def _is_int(x: object) -> bool:
-    try:
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
+from labcode.checks import fail, is_int
 
 
 def _check(t_new: int, s_cached: int) -> None:
-    if not _is_int(t_new) or t_new <= 0:
-        raise ValueError(f"t_new: expected a positive number of new queries, got {t_new!r}")
-    if not _is_int(s_cached) or s_cached < 0:
-        raise ValueError(f"s_cached: expected a non-negative cached length, got {s_cached!r}")
+    if not (is_int(t_new) and t_new > 0):
+        fail("t_new", "a positive number of new queries", repr(t_new))
+    if not (is_int(s_cached) and s_cached >= 0):
+        fail("s_cached", "a non-negative cached length", repr(s_cached))
 
 
 def causal_mask(t_new: int, s_cached: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
@@ -40,8 +32,8 @@ def sliding_window_mask(
 ) -> torch.Tensor:
     """Offset causal mask [T, S+T] that also hides keys more than `window - 1` positions behind each query."""
     _check(t_new, s_cached)
-    if not _is_int(window) or window <= 0:
-        raise ValueError(f"window: expected a positive window, got {window!r}")
+    if not (is_int(window) and window > 0):
+        fail("window", "a positive window", repr(window))
     rows = torch.arange(t_new, device=device).unsqueeze(1) + s_cached  # (T, 1)
     cols = torch.arange(s_cached + t_new, device=device).unsqueeze(0)  # (1, S+T)
     return (cols <= rows) & (cols > rows - window)
@@ -63,11 +55,9 @@ def positions_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int |
     query_pos: [T]; key_pos: [S] (a negative key position marks an empty slot). Returns [T, S].
     """
     if query_pos.dim() != 1 or key_pos.dim() != 1:
-        raise ValueError(
-            f"query_pos, key_pos: expected two rank-1 tensors, got shapes {tuple(query_pos.shape)}, "
-            f"{tuple(key_pos.shape)}")
-    if window is not None and (not _is_int(window) or window <= 0):
-        raise ValueError(f"window: expected a positive window or None, got {window!r}")
+        fail("query_pos, key_pos", "two rank-1 tensors", f"shapes {tuple(query_pos.shape)}, {tuple(key_pos.shape)}")
+    if window is not None and not (is_int(window) and window > 0):
+        fail("window", "a positive window or None", repr(window))
     q, k = query_pos.unsqueeze(1), key_pos.unsqueeze(0)  # (T, 1), (1, S)
     visible = (k <= q) & (k >= 0)
     return visible if window is None else visible & (k > q - window)

@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labcode.caches.base import KVCache, NoCache, check_cache
+from labcode.caches.explicit import PairsCache
+from labcode.caches.styles import as_cache
+from labcode.checks import fail
 from labcode.config import GPTConfig
+from labcode.masks import causal_mask
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -45,22 +50,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Softmax attention; q [B, H, T, D], k and v [B, Hkv, S, D], mask [T, S] or None -> [B, H, T, D].
 
     Grouped-query attention without copying K/V: the H query heads are viewed as
-    Hkv groups of H/Hkv heads, and each group reads its one K/V head. `dropout_p` > 0
+    Hkv groups of G = H/Hkv heads, and each group reads its one K/V head. `dropout_p` > 0
     drops attention weights (training only).
     """
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = h // hkv
-    # Batched products on 3-D views (what `@` on 4-D tensors does inside, minus its bookkeeping,
-    # which a one-token decode step pays in every layer); for cache buffers these are views, not copies.
-    qg = q.reshape(b * hkv, g * t, d)  # (B*Hkv, G*T, D): heads of a group stacked on rows
-    scores = torch.bmm(qg, k.reshape(b * hkv, s, d).transpose(1, 2)).mul_(1.0 / math.sqrt(d))  # (B*Hkv, G*T, S)
-    if mask is not None:
-        scores.view(b, hkv, g, t, s).masked_fill_(~mask, float("-inf"))  # in place; mask [T, S] or [B, 1, 1, T, S]
+    qg = q.reshape(b * hkv, g * t, d)  # (B*Hkv, G*T, D): the heads of a group stacked on rows
+    scores = qg @ k.reshape(b * hkv, s, d).transpose(1, 2) * (1.0 / math.sqrt(d))  # (B*Hkv, G*T, S)
+    if mask is not None:  # mask [T, S], or [B, 1, 1, T, S] with one row of masks per sequence (chapter 9)
+        scores = scores.view(b, hkv, g, t, s).masked_fill(~mask, float("-inf")).view(b * hkv, g * t, s)
     weights = scores.softmax(dim=-1)
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p, training=True)
-    return torch.bmm(weights, v.reshape(b * hkv, s, d)).view(b, h, t, d)  # (B, H, T, D)
+    return (weights @ v.reshape(b * hkv, s, d)).view(b, h, t, d)  # (B, H, T, D)
 
 
 class CausalSelfAttention(nn.Module):
@@ -78,16 +81,17 @@ class CausalSelfAttention(nn.Module):
         self.cache_v: torch.Tensor | None = None
         self.ptr_current_pos = 0
 
-    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C)
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k, v = self.kv_proj(x).view(b, t, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v = self.kv_proj(x).view(b, t, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, Hkv, T, D)
         if self.cfg.rotary:
             q, k = rotate(q, positions, self.cfg.rope_base), rotate(k, positions, self.cfg.rope_base)
-        if cache is None:
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril() if t > 1 else None
+        if cache is None:  # this layer on its own (chapter 2): the T tokens see only each other
+            mask = causal_mask(t, device=x.device) if t > 1 else None
         else:
-            k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D)
+            k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
             mask = cache.mask(layer, t)
         y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
@@ -109,7 +113,8 @@ class Block(nn.Module):
         )
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.resid_dropout(self.attn(self.ln_1(x), layer, positions, cache))
         return x + self.mlp(self.ln_2(x))
 
@@ -117,7 +122,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 architecture. `forward(ids)` is the full pass every cache is checked against.
 
-    Three ways to hold the cache, one model:
+    Three ways to hold the cache, one pass (`labcode.caches.styles.as_cache` turns each into a cache object):
       * `forward(ids, cache)` with a `labcode.caches` object (chapters 3 and 5);
       * `forward(ids, caches, return_cache=True)` with a list of (K, V) pairs (chapter 4);
       * `forward(ids, use_cache=True)` with state kept inside the attention modules (chapter 3).
@@ -136,21 +141,6 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("out_proj.weight") or name.endswith("mlp.2.weight"):
                 _normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
-        self._store_wide_weights_by_column()
-
-    def _store_wide_weights_by_column(self, min_elements: int = 1 << 20) -> None:
-        """Store large weights [out, in] with out > in column by column (chapter 7); values are unchanged.
-
-        A decode step multiplies one row by each weight matrix, so it runs at the speed the
-        weights stream from memory. For wide matrices (the tied head above all) the BLAS
-        product reads W^T stored contiguously markedly faster than W stored row by row.
-        Shapes, values and the state_dict stay the same; square and tall matrices, and those under
-        `min_elements`, keep PyTorch's default layout (so the tiny model is untouched).
-        """
-        with torch.no_grad():
-            for p in [self.tok_emb.weight] + [m.weight for m in self.modules() if isinstance(m, nn.Linear)]:
-                if p.shape[0] > p.shape[1] and p.numel() >= min_elements:
-                    p.data = p.data.t().contiguous().t()  # (out, in) with strides (1, out)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -167,85 +157,69 @@ class GPT(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_emb.weight.dtype
 
-    def check_ids(self, ids: torch.Tensor, start: int, positions: torch.Tensor | None = None) -> None:
-        """Raise ValueError naming the problem if `ids` cannot be run at position `start`
-        (or at explicit `positions` [T] or [B, T], when a cache places each token itself)."""
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"ids: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
-        if ids.dim() != 2:
-            raise ValueError(f"ids: expected rank 2 [B, T], got shape {tuple(ids.shape)}")
-        b, t = ids.shape
-        if b == 0 or t == 0:
-            raise ValueError(f"ids: expected at least one token in each of at least one row, got {tuple(ids.shape)}")
-        if ids.numel() <= 4096:  # a decode step's few ids: one copy to Python beats two reductions
-            values = ids.flatten().tolist()
-            lo, hi = min(values), max(values)
-        else:
-            lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.cfg.vocab_size:
-            raise ValueError(f"ids: expected values in [0, {self.cfg.vocab_size}), got min {lo}, max {hi}")
-        if positions is not None:
-            if tuple(positions.shape) not in ((t,), (b, t)):
-                raise ValueError(f"positions: expected shape ({t},) or ({b}, {t}), got {tuple(positions.shape)}")
-            lo, hi = int(positions.min()), int(positions.max())
-            if lo < 0 or hi >= self.cfg.context_length:
-                raise ValueError(
-                    f"positions: expected values in [0, {self.cfg.context_length}), got min {lo}, max {hi}")
-        elif start + t > self.cfg.context_length:
-            raise ValueError(
-                f"positions: expected start + T <= context_length {self.cfg.context_length}, "
-                f"got start {start} + T {t} = {start + t}"
-            )
-
     def forward(self, ids: torch.Tensor, cache=None, return_cache: bool = False, *, use_cache: bool = False):
-        """Logits [B, T, V] for ids [B, T], continuing whatever `cache` holds.
+        """Logits [B, T, V] for ids [B, T], continuing whatever `cache` holds (None: the full pass).
 
         With `return_cache=True`, `cache` is a list of (K, V) pairs or None and the
         call returns `(logits, new_pairs)`; the pairs passed in are not modified.
         """
-        from labcode.caches.explicit import PairsCache  # local import: caches import nothing of the model
-        from labcode.caches.naive import ModuleStateCache
+        kv = as_cache(self, cache, return_cache, use_cache)  # one cache object, whatever the style
+        logits, _ = self.run(ids, kv)
+        made_pairs = kv is not cache and isinstance(kv, PairsCache)  # the explicit style: hand back new pairs
+        return (logits, kv.pairs) if made_pairs else logits
 
-        explicit = return_cache or isinstance(cache, (list, tuple))
-        if use_cache and (explicit or cache is not None):
-            raise ValueError("cache, return_cache: expected None and False when use_cache=True "
-                             f"(the state lives in the model), got {type(cache).__name__} and {return_cache}")
-        if explicit:
-            cache = PairsCache(self.cfg.n_layers, cache)
-        elif use_cache:
-            cache = ModuleStateCache(self)
-        logits = self.run(ids, cache)[0]
-        return (logits, cache.pairs) if explicit else logits
-
-    def run(self, ids: torch.Tensor, cache=None, keep_hidden: bool = False):
-        """Core pass: returns (logits [B, T, V], hidden states after each block if asked)."""
-        start = 0 if cache is None else cache.position
-        # Engines that place each token themselves (chapter 9) give its position: (T,) or (B, T).
-        positions = cache.query_positions() if hasattr(cache, "query_positions") else None
-        self.check_ids(ids, start, positions)
-        b, t = ids.shape
-        if cache is not None:
-            from labcode.caches.base import expect  # local import, as in forward
-
-            expect(cache.n_layers == len(self.blocks), "cache", f"a cache for {len(self.blocks)} layers",
-                   f"one for {cache.n_layers}")  # a cache cannot know the model's depth: checked here
-            cache.check(b, t, self.dtype, self.device)  # every rejection happens before any write
-        if positions is None:
-            positions = torch.arange(start, start + t, device=ids.device)  # (T,)
-        positions = positions.to(ids.device)
-        x = self.tok_emb(ids)  # (B, T, C)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        x = self.drop(x)
-        hidden = []
-        for layer, block in enumerate(self.blocks):
-            x = block(x, layer, positions, cache)
-            if keep_hidden:
+    def run(self, ids: torch.Tensor, cache: KVCache | None = None, keep_hidden: bool = False):
+        """The pass: logits [B, T, V] for ids [B, T] through one cache object (None: one that keeps nothing),
+        and the hidden state [B, T, C] after each block if asked (chapter 2)."""
+        b, t = self.check_ids(ids)
+        cache = NoCache(len(self.blocks)) if cache is None else cache
+        check_cache(cache, len(self.blocks))  # a cache cannot know the model's depth: checked here
+        placed = cache.begin((b, self.cfg.n_kv_heads, t, self.cfg.head_dim), self.dtype, self.device)
+        try:  # the cache refused nothing, so it writes from here on; a pass that fails commits nothing
+            positions = self.positions(placed, cache.position, b, t)  # (T,) or (B, T)
+            x = self.tok_emb(ids)  # (B, T, C)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(positions)
+            x = self.drop(x)
+            hidden = []
+            for layer, block in enumerate(self.blocks):
+                x = block(x, layer, positions, cache)
                 hidden.append(x)
-        if cache is not None:
-            cache.advance(t)
-        logits = F.linear(self.ln_f(x), self.tok_emb.weight)  # (B, T, V), tied head, no bias
-        return logits, hidden
+            logits = F.linear(self.ln_f(x), self.tok_emb.weight)  # (B, T, V), tied head, no bias
+        except BaseException:
+            cache.cancel()
+            raise
+        cache.end()
+        return logits, (hidden if keep_hidden else [])
+
+    def check_ids(self, ids: torch.Tensor) -> tuple[int, int]:
+        """Raise ValueError naming the problem unless ids is a [B, T] tensor of token ids; return (B, T)."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+            fail("ids", "an integer tensor", getattr(ids, "dtype", type(ids)))
+        if ids.dim() != 2:
+            fail("ids", "rank 2 [B, T]", f"shape {tuple(ids.shape)}")
+        b, t = ids.shape
+        if b == 0 or t == 0:
+            fail("ids", "at least one token in each of at least one row", tuple(ids.shape))
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            fail("ids", f"values in [0, {self.cfg.vocab_size})", f"min {lo}, max {hi}")
+        return b, t
+
+    def positions(self, placed: torch.Tensor | None, start: int, b: int, t: int) -> torch.Tensor:
+        """The positions of T new tokens: start .. start + T - 1, or those a cache `placed` ([T] or [B, T],
+        chapter 9). Raise ValueError for any outside the position table."""
+        n = self.cfg.context_length
+        if placed is None:
+            if start + t > n:
+                fail("positions", f"start + T <= context_length {n}", f"start {start} + T {t} = {start + t}")
+            return torch.arange(start, start + t, device=self.device)  # (T,)
+        if tuple(placed.shape) not in ((t,), (b, t)):
+            fail("positions", f"shape ({t},) or ({b}, {t})", tuple(placed.shape))
+        lo, hi = int(placed.min()), int(placed.max())
+        if lo < 0 or hi >= n:
+            fail("positions", f"values in [0, {n})", f"min {lo}, max {hi}")
+        return placed.to(self.device)
 
     def reset_kv_cache(self) -> None:
         """Clear the naive cache held inside the attention modules (chapter 3)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labcode.caches.base import is_count
+from labcode.checks import is_int
 from labcode.config import GPTConfig
 from labcode.cost import kv_cache_bytes
 from labcode.flops import attention_flops, linear_flops, linear_params
@@ -36,7 +36,7 @@ def element_bytes(dtype: torch.dtype | str) -> int:
 
 
 def _count(name: str, value: object, low: int) -> int:
-    if not is_count(value) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     return value
 

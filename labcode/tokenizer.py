@@ -10,6 +10,8 @@ import string
 
 import torch
 
+from labcode.checks import fail
+
 ALPHABET = "\n !'(),-.:;?" + string.ascii_uppercase + string.ascii_lowercase
 assert len(ALPHABET) == 64, len(ALPHABET)
 
@@ -29,7 +31,7 @@ class CharTokenizer:
         """Text to a list of ids; raises ValueError naming the first unknown character."""
         bad = [ch for ch in text if ch not in self.stoi]
         if bad:
-            raise ValueError(f"text: every character must be in the alphabet, got {bad[0]!r}")
+            fail("text", "characters of the alphabet only", repr(bad[0]))
         return [self.stoi[ch] for ch in text]
 
     def encode_tensor(self, text: str, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -42,5 +44,5 @@ class CharTokenizer:
             ids = ids.tolist()
         bad = [i for i in ids if not 0 <= i < len(self.alphabet)]
         if bad:  # a negative id would otherwise index from the end and decode silently
-            raise ValueError(f"ids: expected values in [0, {len(self.alphabet)}), got {bad[0]!r}")
+            fail("ids", f"values in [0, {len(self.alphabet)})", repr(bad[0]))
         return "".join(self.alphabet[i] for i in ids)

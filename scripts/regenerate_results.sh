@@ -3,6 +3,7 @@
 #
 #   bash scripts/regenerate_results.sh           # every QA notebook's result (a few minutes)
 #   bash scripts/regenerate_results.sh --bench   # and the benchmarks too (several minutes more)
+#   bash scripts/regenerate_results.sh --llamacpp   # and time the llama.cpp build (minutes of every core)
 #
 # How the QA notebooks, their results and the tests fit together:
 # - Each QA notebook (qa/*.ipynb except qa/verdicts.ipynb) takes papermill parameters in its first
@@ -26,16 +27,22 @@
 # - qa/results/bench.json is not written by a QA notebook: it is the benchmark record of
 #   `python -m labcode.bench --full`, with timings of the machine it ran on. Timings are recorded,
 #   never compared, so it is regenerated only when asked (--bench) and the tests do not replay it.
+# - qa/results/llamacpp_build.json is the same kind of record: `python -m labcode.bench.llamacpp`
+#   downloads llama-cpp-python's source archive and times the compilation of llama.cpp, which chapter 9
+#   weighs against the test command's budget. It needs the package registry and is regenerated only
+#   when asked (--llamacpp).
 #
 # If a QA run fails, the script stops with papermill's error; the executed notebook is kept in
 # qa/_runs/ for reading.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=0
+llamacpp=0
 for arg in "$@"; do
   case "$arg" in
     --bench) bench=1 ;;
-    *) echo "usage: bash scripts/regenerate_results.sh [--bench]" >&2; exit 2 ;;
+    --llamacpp) llamacpp=1 ;;
+    *) echo "usage: bash scripts/regenerate_results.sh [--bench] [--llamacpp]" >&2; exit 2 ;;
   esac
 done
 unset MPLBACKEND  # a non-interactive backend set here would drop every figure from the notebooks
@@ -54,10 +61,15 @@ run_qa qa/equivalence.ipynb equivalence_float32.json -p dtype float32
 run_qa qa/probes.ipynb probes.json
 run_qa qa/rotary_kshift.ipynb rotary_kshift.json
 run_qa qa/engines.ipynb engines.json
+run_qa qa/hf_caches.ipynb hf_caches.json
 # (tests/test_qa.py checks that every committed result has its line here.)
 if [ "$bench" = 1 ]; then
   echo "regenerating qa/results/bench.json (the benchmarks, several minutes)"
   .venv/bin/python -m labcode.bench --full --no-progress --out qa/results/bench.json
+fi
+if [ "$llamacpp" = 1 ]; then
+  echo "regenerating qa/results/llamacpp_build.json (downloads and compiles llama.cpp, minutes of every core)"
+  .venv/bin/python -m labcode.bench.llamacpp --out qa/results/llamacpp_build.json
 fi
 
 # Committed outputs: every QA notebook with its defaults (writing only under qa/_runs/), then the

@@ -91,22 +91,30 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [i for i in items if _is_nbval_cell(i)] + [i for i in items if not _is_nbval_cell(i)]
     if CAPTURE:
         shutil.rmtree(EXECUTED, ignore_errors=True)
-        _runs.clear()
+    _runs.clear()
 
 
+SESSION_START = time.time()
 _runs: dict[Path, dict[int, list | None]] = {}  # notebook -> code cell number -> outputs (None: failed)
+
+
+def executed_whole(notebook: Path) -> bool:
+    """True when nbval executed every code cell of `notebook` in this session and each one passed."""
+    cells = _runs.get(Path(notebook).resolve(), {})
+    nb = nbformat.read(str(notebook), as_version=4)
+    return len(cells) == sum(c.cell_type == "code" for c in nb.cells) and all(v is not None for v in cells.values())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     outcome = yield
-    if not (CAPTURE and _is_nbval_cell(item)):
+    if not _is_nbval_cell(item):
         return
     path = Path(str(item.fspath)).resolve()
     cells = _runs.setdefault(path, {})
     cells[item.cell_num] = None if outcome.excinfo is not None or item.test_outputs is None else item.test_outputs
     n_code = sum(c.cell_type == "code" for c in item.parent.nb.cells)
-    if len(cells) == n_code and all(v is not None for v in cells.values()):
+    if CAPTURE and len(cells) == n_code and all(v is not None for v in cells.values()):
         _write_executed(path, item.parent.nb, cells)
 
 
@@ -222,3 +230,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_grad():
+    """Inference only: no autograd graph is built (the cache tests never train)."""
+    import torch
+
+    with torch.no_grad():
+        yield

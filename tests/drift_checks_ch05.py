@@ -47,10 +47,14 @@ def check_window_cache(ns: dict) -> None:
     assert ours.window == theirs.window == ours.max_chunk == theirs.max_chunk == 8
     _same_run(ours, theirs, [(0, 5), (5, 3), (8, 1), (9, 4), (13, 8), (21, 1), (22, 7)])
     assert ours.total_dropped == theirs.total_dropped > 0 and ours.will_drop(3) == theirs.will_drop(3)
-    for layer in range(2):
-        for t in (1, 3):
+    for t in (1, 3):  # the masks of a pass of t more tokens, begun and then cancelled
+        for cache in (ours, theirs):
+            cache.begin((2, 2, t, 4), torch.float64, "cpu")
+        for layer in range(2):
             a, b = ours.mask(layer, t), theirs.mask(layer, t)
             assert (a is None and b is None) or torch.equal(a, b)
+        for cache in (ours, theirs):
+            cache.cancel()
     m, ids = _model()
     for cache in (ns["WindowCache"](2, 8), lab.WindowCache(2, 8)):
         with pytest.raises(CacheError, match=r"t_new: expected a chunk of at most 8 tokens"):

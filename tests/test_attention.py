@@ -9,14 +9,12 @@ from hypothesis import strategies as st
 
 from labcode.attention import (
     MemoryTracker,
-    interleaved_samples,
     measure_memory,
-    median,
     online_softmax_attention,
     repeat_kv_attention,
     sdpa_attention,
-    time_interleaved,
 )
+from labcode.bench.timing import interleaved_samples, median, time_interleaved
 from labcode.masks import causal_mask
 from labcode.model import attend
 
@@ -141,6 +139,34 @@ def test_time_interleaved_reports_a_median_per_function():
     assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0, 2.0, 3.0]) == 2.5
     with pytest.raises(ValueError, match="repeats"):
         time_interleaved({"a": lambda: None}, repeats=0)
+
+
+def test_timing_on_a_given_thread_count_restores_the_callers():
+    before = torch.get_num_threads()  # 1 under the module's fixture: ask for another count
+    seen = []
+    interleaved_samples({"a": lambda: seen.append(torch.get_num_threads())}, repeats=2, warmup=1, threads=before + 1)
+    assert seen == [before + 1] * 3 and torch.get_num_threads() == before
+
+    def fails():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        time_interleaved({"a": fails}, repeats=1, threads=before + 1)
+    assert torch.get_num_threads() == before  # restored after an error too
+    seen.clear()
+    interleaved_samples({"a": lambda: seen.append(torch.get_num_threads())}, repeats=1, warmup=0)
+    assert seen == [before]  # threads=None leaves the count alone
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="threads: expected a positive int or None"):
+            time_interleaved({"a": lambda: None}, repeats=1, threads=bad)
+
+
+def test_timing_reads_the_clock_it_is_given():
+    ticks = iter(range(0, 1000, 5))  # a clock that advances 5 units per reading
+    samples = interleaved_samples({"a": lambda: None, "b": lambda: None}, repeats=3, warmup=1,
+                                  clock=lambda: next(ticks))
+    assert samples == {"a": [5, 5, 5], "b": [5, 5, 5]}
+    assert time_interleaved({"a": lambda: None}, repeats=2, warmup=0, clock=lambda: next(ticks)) == {"a": 5}
 
 
 @pytest.mark.parametrize("kernel", [online_softmax_attention, repeat_kv_attention, sdpa_attention])

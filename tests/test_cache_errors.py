@@ -6,73 +6,58 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CORE, build, make_cache, rejected
 
 from labcode import GPT, GPTConfig
-from labcode.caches import (
-    CacheError,
-    ConcatCache,
-    GrowableCache,
-    ModuleStateCache,
-    PairsCache,
-    RingCache,
-    WindowCache,
-)
+from labcode.caches import CacheError, ConcatCache, GrowableCache, ModuleStateCache, RingCache, WindowCache
 from labcode.caches.base import snapshot, states_equal
 from labcode.caches.prealloc import PreallocatedCache
 from labcode.generate import decode_step, generate, prefill
 from labcode.masks import causal_mask, positions_mask, sliding_window_mask
 
+pytestmark = pytest.mark.usefixtures("one_thread", "no_grad")  # both defined in conftest.py
 CFG = GPTConfig(vocab_size=13, context_length=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
-torch.manual_seed(0)
-MODEL = GPT(CFG).double().eval()
-MODEL32 = GPT(CFG).float().eval()
+MODEL = build(CFG, seed=0)
+MODEL32 = build(CFG, seed=1, dtype=torch.float32)
 IDS = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
 W = 8  # the window of the window caches in these tests
-
-FACTORIES = {
-    "concat": lambda: ConcatCache(2),
-    "pairs": lambda: PairsCache(2),
-    "window": lambda: WindowCache(2, W),
-    "ring": lambda: RingCache(2, W),
-    "growable-linear": lambda: GrowableCache(2, 3),
-    "growable-double": lambda: GrowableCache(2, 3, policy="double"),
-    "naive": lambda: (MODEL.reset_kv_cache(), ModuleStateCache(MODEL))[1],
-}
+KINDS = [*CORE, "naive"]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
+def _fresh_model():
+    yield
     MODEL.reset_kv_cache()
-    torch.set_num_threads(threads)
+
+
+def make(kind: str, n_layers: int = 2):
+    """An empty cache of `kind` for `n_layers` layers; the window caches keep W positions."""
+    model = MODEL if n_layers == 2 else build(CFG.with_(n_layers=n_layers))
+    return make_cache(kind, model, room=W)
 
 
 def filled(kind: str, n: int = 6):
     """A cache of `kind` that already holds n positions of IDS (batch 2, float64)."""
-    cache = FACTORIES[kind]()
+    cache = make(kind)
     prefill(MODEL, IDS[:, :n], cache)  # in chunks of at most the window for the window caches
     return cache
 
 
-def rejected(cache, call, exc: type[Exception], match: str) -> None:
-    """`call()` raises `exc` matching `match`, and `cache.state()` is exactly unchanged."""
-    before = cache.state()
-    with pytest.raises(exc, match=match):
-        call()
-    assert states_equal(before, cache.state()), "the rejected call changed the cache"
+def opened(kind: str, t: int = 1):
+    """A filled cache of `kind` with a pass of t tokens begun, as the model begins one (B=2, Hkv=2, D=4)."""
+    cache = filled(kind)
+    cache.begin((2, 2, t, 4), torch.float64, "cpu")
+    return cache
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_batch_size_change(kind):
     cache = filled(kind)
     rejected(cache, lambda: MODEL(IDS[:1, 6:7], cache), CacheError,
              r"batch: expected the cache's batch size 2 \(reset it for a new batch\), got 1")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_dtype_mismatch(kind):
     cache = filled(kind)
     model32 = MODEL32
@@ -87,14 +72,12 @@ def test_dtype_mismatch(kind):
              r"dtype: expected the cache's dtype torch.float64, got torch.float32")
 
 
-@pytest.mark.parametrize("kind", [k for k in FACTORIES if k != "naive"])
+@pytest.mark.parametrize("kind", CORE)
 def test_device_mismatch(kind):
     """A cache filled on another device (here PyTorch's shape-only "meta" device) rejects CPU activations."""
-    cache = FACTORIES[kind]()
-    for layer in range(2):
-        k = torch.zeros(2, 2, 3, 4, dtype=torch.float64, device="meta")
-        cache.append(layer, k, k)
-    cache.advance(3)
+    cache = make(kind)
+    k = torch.zeros(2, 2, 3, 4, dtype=torch.float64, device="meta")
+    cache.feed(k, k)
     rejected(cache, lambda: MODEL(IDS[:, 3:4], cache), CacheError,
              r"device: expected the cache's device meta, got cpu")
 
@@ -110,9 +93,9 @@ def test_device_mismatch_naive():
              r"device: expected the cache's device meta, got cpu")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_positions_past_the_table(kind):
-    cache = FACTORIES[kind]()
+    cache = make(kind)
     for start in (0, 7, 14):
         MODEL(IDS[:, start : start + 7], cache)
     assert cache.position == 21
@@ -120,47 +103,68 @@ def test_positions_past_the_table(kind):
              r"positions: expected start \+ T <= context_length 24, got start 21 \+ T 4 = 25")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_empty_input(kind):
     cache = filled(kind)
     rejected(cache, lambda: MODEL(IDS[:, :0], cache), ValueError,
              r"ids: expected at least one token in each of at least one row, got \(2, 0\)")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_wrong_rank_ids(kind):
     cache = filled(kind)
     rejected(cache, lambda: MODEL(IDS[0, 6:9], cache), ValueError, r"ids: expected rank 2 \[B, T\], got shape \(3,\)")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_wrong_rank_keys_and_values(kind):
-    cache = filled(kind)
+    cache = opened(kind)
     k = torch.zeros(2, 2, 4, dtype=torch.float64)
     rejected(cache, lambda: cache.append(0, k, k), CacheError,
-             r"k, v: expected two \[B, Hkv, T, D\] tensors of one shape, got \(\(2, 2, 4\), \(2, 2, 4\)\)")
+             r"k, v: expected two \[B, Hkv, T, D\] tensors of the shape begin\(\) was given, \(2, 2, 1, 4\), "
+             r"got \(\(2, 2, 4\), \(2, 2, 4\)\)")
+    rejected(cache, lambda: cache.begin((2, 2, 4), torch.float64, "cpu"), CacheError,
+             r"cache: expected no pass in progress")
+    cache.cancel()
+    rejected(cache, lambda: cache.begin((2, 2, 4), torch.float64, "cpu"), CacheError,
+             r"shape: expected \(B, Hkv, T, D\), four ints, got \(2, 2, 4\)")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_heads_or_head_dim_change(kind):
     cache = filled(kind)
-    k = torch.zeros(2, 4, 1, 4, dtype=torch.float64)  # 4 KV heads where the cache holds 2
-    rejected(cache, lambda: cache.append(0, k, k), CacheError,
+    rejected(cache, lambda: cache.begin((2, 4, 1, 4), torch.float64, "cpu"), CacheError,  # 4 KV heads, 2 cached
              r"k, v: expected Hkv=2 heads of D=4, as cached, got \(2, 4, 1, 4\)")
+    cache = opened(kind)
+    k = torch.zeros(2, 2, 1, 4, dtype=torch.float32)
+    rejected(cache, lambda: cache.append(0, k, k), CacheError,
+             r"k, v: expected torch.float64 on cpu, as begin\(\) was given, got \(torch.float32, device\(")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
-def test_layer_out_of_range(kind):
-    cache = filled(kind)
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_out_of_range_or_out_of_order(kind):
+    cache = opened(kind)
     k = torch.zeros(2, 2, 1, 4, dtype=torch.float64)
     rejected(cache, lambda: cache.append(2, k, k), CacheError, r"layer: expected 0 <= layer < 2, got 2")
+    rejected(cache, lambda: cache.append(1, k, k), CacheError,
+             r"layer: expected layer 0 next \(each layer appends once per pass, in order\), got 1")
+    cache.append(0, k, k)
+    rejected(cache, lambda: cache.append(0, k, k), CacheError, r"layer: expected layer 1 next")
+    rejected(cache, cache.end, CacheError, r"layer: expected all 2 layers appended before end\(\), got 1")
 
 
-@pytest.mark.parametrize("kind", [k for k in FACTORIES if k != "naive"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_pass_steps_come_in_order(kind):
+    cache = filled(kind)
+    k = torch.zeros(2, 2, 1, 4, dtype=torch.float64)
+    steps = {"append": lambda: cache.append(0, k, k), "mask": lambda: cache.mask(0, 1), "end": cache.end}
+    for step, call in steps.items():
+        rejected(cache, call, CacheError, rf"cache: expected a pass in progress \(begin\(\) before {step}\(\)\)")
+
+
+@pytest.mark.parametrize("kind", CORE)
 def test_cache_for_another_depth(kind):
-    deeper = {"concat": lambda: ConcatCache(3), "pairs": lambda: PairsCache(3), "window": lambda: WindowCache(3, W),
-              "ring": lambda: RingCache(3, W), "growable-linear": lambda: GrowableCache(3, 3),
-              "growable-double": lambda: GrowableCache(3, 3, policy="double")}[kind]()
+    deeper = make(kind, n_layers=3)
     rejected(deeper, lambda: MODEL(IDS[:, :4], deeper), CacheError,
              r"cache: expected a cache for 2 layers, got one for 3")
 
@@ -182,6 +186,7 @@ def test_chunk_larger_than_the_window(kind):
     (lambda: GrowableCache(2, 4, grow_by=0), r"grow_by: expected a positive number of slots, got 0"),
     (lambda: GrowableCache(2, 4, policy="triple"), r"policy: expected 'linear' or 'double', got 'triple'"),
     (lambda: ConcatCache(0), r"n_layers: expected a positive number of layers, got 0"),
+    (lambda: ConcatCache(True), r"n_layers: expected a positive number of layers, got True"),
 ])
 def test_bad_construction(make, match):
     with pytest.raises(CacheError, match=match):
@@ -257,7 +262,7 @@ def test_ring_ordered_needs_a_filled_layer():
 
 @pytest.mark.parametrize("kind", ["window", "ring", "growable-linear", "growable-double"])
 def test_buffers_made_in_inference_mode_are_refused_outside_it(kind):
-    cache = FACTORIES[kind]()
+    cache = make(kind)
     out = generate(MODEL, IDS[:, :3], 3, cache)  # generate runs under torch.inference_mode
     nxt = out.ids[:, -1]
     rejected(cache, lambda: decode_step(MODEL, nxt, cache), CacheError, "cache: expected a call under "
@@ -268,14 +273,14 @@ def test_buffers_made_in_inference_mode_are_refused_outside_it(kind):
         assert decode_step(MODEL, nxt, cache).shape == (2, CFG.vocab_size)
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_prefill_rejects_a_prompt_that_would_cross_the_table_midway(kind):
     cache = filled(kind, 18)
     rejected(cache, lambda: prefill(MODEL, IDS[:, :8], cache, chunk_size=2), ValueError,
              r"positions: expected start \+ T <= context_length 24, got start 18 \+ T 8 = 26")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("size, match", [
     (0, r"chunk_size: expected a positive integer or None, got 0"),
     (2.0, r"chunk_size: expected a positive integer or None, got 2.0"),
@@ -292,14 +297,14 @@ def test_prefill_rejects_a_chunk_size_over_the_window(kind):
              rf"chunk_size: expected at most the cache's max_chunk {W} \(its window\), got {W + 1}")
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("opts, match", [
     ({"max_new_tokens": -1}, r"max_new_tokens: expected an integer >= 0, got -1"),
     ({"temperature": -0.5}, r"temperature: expected >= 0, got -0.5"),
     ({"temperature": float("nan")}, r"temperature: expected >= 0, got nan"),
     ({"temperature": 1.0, "top_k": 0, "generator": torch.Generator()}, r"top_k: expected a positive integer"),
     ({"temperature": 1.0, "top_p": 0.0, "generator": torch.Generator()}, r"top_p: expected 0 < top_p <= 1"),
-    ({"temperature": 1.0}, r"generator: sampling needs a torch.Generator \(no global seeding\), got None"),
+    ({"temperature": 1.0}, r"generator: expected a torch.Generator for sampling \(no global seeding\), got None"),
 ])
 def test_generate_rejects_bad_arguments_before_the_prefill(kind, opts, match):
     cache = filled(kind)
@@ -308,7 +313,7 @@ def test_generate_rejects_bad_arguments_before_the_prefill(kind, opts, match):
     rejected(cache, lambda: generate(MODEL, IDS[:, 6:9], n, cache, **opts), ValueError, match)
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_decode_step_needs_one_token_per_row(kind):
     cache = filled(kind)
     rejected(cache, lambda: decode_step(MODEL, IDS[:, 6:7], cache), ValueError,

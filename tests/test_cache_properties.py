@@ -9,11 +9,12 @@ import copy
 
 import pytest
 import torch
+from helpers import build
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from labcode import GPT, GPTConfig
-from labcode.caches import ConcatCache, GrowableCache, ModuleStateCache, PairsCache, RingCache, WindowCache
+from labcode.caches import ConcatCache, GrowableCache, ModuleStateCache, PairsCache, Request, RingCache, WindowCache
 from labcode.generate import generate, generate_nocache
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -28,12 +29,8 @@ CONFIGS = [  # tiny, and different in what a cache could get wrong: heads, KV he
 
 
 def _build(cfg: GPTConfig, seed: int) -> dict:
-    """The same weights in float64 and float32."""
-    torch.manual_seed(seed)
-    m = GPT(cfg).double().eval()
-    with torch.no_grad():
-        for p in m.parameters():  # larger weights than the init, so that a wrong mask or offset shows
-            p.normal_(0.0, 0.5)
+    """The same weights in float64 and float32 (larger than the init, so that a wrong mask or offset shows)."""
+    m = build(cfg, seed, scale=0.5)
     return {torch.float64: m, torch.float32: copy.deepcopy(m).float()}
 
 
@@ -42,12 +39,7 @@ MODELS = [_build(c, i) for i, c in enumerate(CONFIGS)]
 KINDS = ["concat", "pairs", "explicit", "naive", "window", "ring", "growable-linear", "growable-double"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is several times faster on a shared machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # defined in conftest.py
 
 
 @st.composite
@@ -75,19 +67,12 @@ def make_cache(kind: str, n_layers: int, room: int, data) -> object:
 
 
 def run_schedule(model: GPT, ids: torch.Tensor, kind: str, sizes: list[int], data) -> torch.Tensor:
-    """Logits [B, P, V] of ids run chunk by chunk through one cache of `kind` (or its API)."""
-    chunks = torch.split(ids, sizes, dim=1)
-    if kind == "naive":
-        model.reset_kv_cache()
-        return torch.cat([model(c, use_cache=True) for c in chunks], dim=1)
-    if kind == "explicit":
-        caches, outs = None, []
-        for c in chunks:
-            logits, caches = model(c, caches, return_cache=True)
-            outs.append(logits)
-        return torch.cat(outs, dim=1)
-    cache = make_cache(kind, model.cfg.n_layers, ids.shape[1], data)
-    return torch.cat([model(c, cache) for c in chunks], dim=1)
+    """Logits [B, P, V] of ids run chunk by chunk through one request held in `kind`'s style."""
+    if kind in ("naive", "explicit"):
+        request = Request(model, kind)
+    else:
+        request = Request(model, "object", make_cache(kind, model.cfg.n_layers, ids.shape[1], data))
+    return torch.cat([request(c) for c in torch.split(ids, sizes, dim=1)], dim=1)
 
 
 def _equivalence(dtype: torch.dtype, case, data) -> None:
@@ -179,15 +164,16 @@ def _kv(start: int, t: int, layer: int, heads: int = 2) -> tuple[torch.Tensor, t
 
 
 def _feed(cache, sizes: list[int], n_layers: int = 2, heads: int = 2):
-    """Append chunks of positions to every layer; yield (start, t, returned K per layer, mask per layer)."""
+    """One pass per chunk of positions; yield (start, t, returned K per layer, mask per layer)."""
     start = 0
     for t in sizes:
         ks, masks = [], []
+        cache.begin((1, heads, t, 1), torch.float64, "cpu")
         for layer in range(n_layers):
             k, v = _kv(start, t, layer, heads)
             ks.append(cache.append(layer, k, v)[0])
             masks.append(cache.mask(layer, t))
-        cache.advance(t)
+        cache.end()
         yield start, t, ks, masks
         start += t
 
@@ -261,8 +247,7 @@ def test_growth_capacities_copies_and_contiguity(capacity, policy, grow_by, head
             copied += cap
             cap, growths = (cap + step if policy == "linear" else 2 * cap), growths + 1
         k = torch.randn(1, heads, t, 3, dtype=torch.float64)
-        kk, vv = cache.append(0, k, k + 1)
-        cache.advance(t)
+        kk, vv = cache.feed(k, k + 1)
         n += t
         assert cache.capacities[0] == cap and cache.k[0].shape[2] == cap and cache.grow_count == growths
         assert kk.shape[2] == n and torch.equal(kk[:, :, n - t :], k) and torch.equal(vv, kk + 1)

@@ -3,71 +3,35 @@ forks and aliasing, contiguity, copies counted, and equality with the full forwa
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
+from helpers import CORE, TOL64, build, make_cache
+from helpers import run_chunks as _run
 
-from labcode import GPT, GPTConfig
-from labcode.caches import ConcatCache, GrowableCache, ModuleStateCache, PairsCache, RingCache, WindowCache
+from labcode import GPTConfig
+from labcode.caches import ConcatCache, GrowableCache, ModuleStateCache, RingCache, WindowCache
 from labcode.caches.base import snapshot, states_equal
 from labcode.caches.naive import naive_state
 from labcode.caches.window import shift_left
 from labcode.masks import causal_mask, positions_mask, sliding_window_mask, upper_left_mask
 
-TOL64 = 1e-12
+pytestmark = pytest.mark.usefixtures("one_thread", "no_grad")  # both defined in conftest.py
 CFG = GPTConfig(vocab_size=13, context_length=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
 
 
-@contextmanager
-def _fast():
-    """One thread (tiny tensors; two threads on a shared machine are many times slower) and no autograd."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _fast_tests():
-    with _fast():
-        yield
-
-
-def _model(cfg: GPTConfig = CFG, seed: int = 0, dtype=torch.float64) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(cfg).to(dtype).eval()
+def _model(cfg: GPTConfig = CFG, seed: int = 0, dtype=torch.float64):
+    return build(cfg, seed, dtype)
 
 
 MODEL = _model()
 IDS = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
-with _fast():
+with torch.no_grad():
     FULL = MODEL(IDS)
 
-FACTORIES = {
-    "concat": lambda: ConcatCache(2),
-    "pairs": lambda: PairsCache(2),
-    "window": lambda: WindowCache(2, 24),
-    "ring": lambda: RingCache(2, 24),
-    "growable-linear": lambda: GrowableCache(2, 3),
-    "growable-double": lambda: GrowableCache(2, 3, policy="double"),
-}
 
-
-def _run(model: GPT, ids: torch.Tensor, cache, schedule: list[int]) -> torch.Tensor:
-    outs, start = [], 0
-    for t in schedule:
-        outs.append(model(ids[:, start : start + t], cache))
-        start += t
-    return torch.cat(outs, dim=1)
-
-
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", CORE)
 def test_every_cache_matches_the_full_forward_for_one_schedule(kind):
-    cache = FACTORIES[kind]()
+    cache = make_cache(kind, MODEL)
     out = _run(MODEL, IDS, cache, [3, 1, 5, 1, 1, 4, 5])
     assert (out - FULL).abs().max().item() <= TOL64
     assert cache.position == 20 and cache.length(0) == cache.length(1) == 20
@@ -75,16 +39,16 @@ def test_every_cache_matches_the_full_forward_for_one_schedule(kind):
     assert k.shape == v.shape == (2, CFG.n_kv_heads, 20, CFG.head_dim)  # only the Hkv heads are stored
 
 
-@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("kind", CORE)
 def test_cache_storage_takes_the_activations_dtype_and_device(kind):
     for dtype in (torch.float32, torch.float64):
         model = _model(dtype=dtype)
-        cache = FACTORIES[kind]()
-        assert cache.read(0) == (None, None)  # nothing allocated before the first use
+        cache = make_cache(kind, model)
+        assert cache.read(0) == (None, None) and cache.layout is None  # nothing allocated before the first use
         model(IDS[:, :4], cache)
         k, v = cache.read(0)
         assert k.dtype == v.dtype == dtype and k.device == v.device == model.device
-        assert cache.dtype == dtype
+        assert (cache.layout.dtype, cache.layout.batch, cache.layout.kv_heads) == (dtype, 2, CFG.n_kv_heads)
 
 
 # -- chapter 3: the naive cache ---------------------------------------------------------------
@@ -119,7 +83,7 @@ def test_naive_view_reads_everything_from_the_model():
     model.reset_kv_cache()
     view = ModuleStateCache(model)
     model(IDS[:, :5], use_cache=True)  # another view advanced the model
-    assert view.position == 5 and view.batch == 2 and view.dtype == torch.float64
+    assert view.position == 5 and view.layout.batch == 2 and view.layout.dtype == torch.float64
     out = model(IDS[:, 5:9], view)  # so this stale-looking view continues correctly
     assert (out - FULL[:, 5:9]).abs().max().item() <= TOL64
     view.reset()
@@ -211,8 +175,7 @@ def _one(value: float) -> torch.Tensor:
 
 
 def _push(cache, value: float) -> list[float]:
-    k, _ = cache.append(0, _one(value), _one(-value))
-    cache.advance(1)
+    k, _ = cache.feed(_one(value), _one(-value))  # one pass: begin, append to the one layer, end
     return k.flatten().tolist()
 
 
@@ -303,8 +266,7 @@ def test_growth_puzzle_3_1_1_10_with_capacity_4():
         seen = []
         for n in (3, 1, 1, 10):
             k = torch.ones(1, 3, n, 64)
-            kk, _ = cache.append(0, k, k)
-            cache.advance(n)
+            kk, _ = cache.feed(k, k)
             seen.append((kk.shape[2], kk.is_contiguous(), cache.capacities[0]))
         assert seen == expected, policy
         assert cache.grow_count == (3 if policy == "linear" else 2)  # 4->8->12->16, or 4->8->16

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import build, rejected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,8 +37,7 @@ CFG = GPTConfig(vocab_size=32, context_length=48, n_layers=2, n_heads=4, n_kv_he
 
 
 def make_model(rotary: bool = False, seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(CFG.with_(rotary=rotary)).double().eval()
+    return build(CFG.with_(rotary=rotary), seed)
 
 
 MODELS = {False: make_model(False), True: make_model(True)}
@@ -72,19 +72,22 @@ def split(n: int, cuts: list[int]) -> list[int]:
 def test_explicit_positions_are_checked_by_the_model():
     model = MODELS[False]
 
-    class Placed:
-        position = 0
+    class Placed(ConcatCache):
+        """A cache that places its tokens itself: `begin` returns their positions."""
 
         def __init__(self, positions):
+            super().__init__(CFG.n_layers)
             self.positions = positions
 
-        def query_positions(self):
-            return self.positions
+        def _open(self, chunk):
+            super()._open(chunk)
+            chunk.placed = self.positions
 
-    with pytest.raises(ValueError, match=r"positions: expected shape \(3,\) or \(1, 3\), got \(2,\)"):
-        model.run(torch.tensor([[1, 2, 3]]), Placed(torch.tensor([0, 1])))
-    with pytest.raises(ValueError, match=r"positions: expected values in \[0, 48\), got min 46, max 48"):
-        model.run(torch.tensor([[1, 2, 3]]), Placed(torch.tensor([46, 47, 48])))
+    for placed, match in ((torch.tensor([0, 1]), r"positions: expected shape \(3,\) or \(1, 3\), got \(2,\)"),
+                          (torch.tensor([46, 47, 48]), r"positions: expected values in \[0, 48\), got min 46, max 48")):
+        cache = Placed(placed)
+        rejected(cache, lambda cache=cache: model(torch.tensor([[1, 2, 3]]), cache), ValueError, match)
+        assert cache.chunk is None and cache.length() == 0  # the pass was cancelled: nothing committed
 
 
 # -- paged ----------------------------------------------------------------------------------------
@@ -230,12 +233,7 @@ def test_cells_remove_fork_and_reuse():
     assert (logits - full_logits(model, a[:5] + [3, 4])[5:]).abs().max().item() <= TOL
 
 
-def rejects(cache, call, exc, pattern) -> None:
-    """`call()` raises `exc` matching `pattern`, and `cache.state()` is exactly as before."""
-    before = cache.state()
-    with pytest.raises(exc, match=pattern):
-        call()
-    assert states_equal(before, cache.state())
+
 
 
 def test_cells_reject_bad_input_before_any_change():
@@ -243,25 +241,25 @@ def test_cells_reject_bad_input_before_any_change():
     cache = CellsCache(CFG.n_layers, 8, n_seqs=2)
     cache.plan([0] * 6)
     model(torch.tensor([tokens(6, 0)]), cache)
-    rejects(cache, lambda: cache.plan([0, 2]), CacheError,
+    rejected(cache, lambda: cache.plan([0, 2]), CacheError,
             r"seq_ids: expected a non-empty list of ints in \[0, 2\), got \[0, 2\]")
-    rejects(cache, lambda: cache.plan([0], [5]), CacheError,
+    rejected(cache, lambda: cache.plan([0], [5]), CacheError,
             r"positions: expected for sequence 0, increasing positions after its last one \(5\), got \[5\]")
-    rejects(cache, lambda: model(torch.tensor([[1]]), cache), CacheError,
+    rejected(cache, lambda: model(torch.tensor([[1]]), cache), CacheError,
             r"plan: expected plan\(seq_ids\) before each forward pass")
     cache.plan([1, 1, 1])
-    rejects(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
+    rejected(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
             r"t_new: expected at most 2 tokens \(free cells\), got 3")
     cache.plan([1, 1])
-    rejects(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), ValueError,
-            r"positions: expected shape \(3,\) or \(1, 3\), got \(2,\)")  # the model compares plan and ids first
-    rejects(cache, lambda: cache.check(1, 3, torch.float64, torch.device("cpu")), CacheError,
+    rejected(cache, lambda: model(torch.tensor([[1, 2, 3]]), cache), CacheError,
+            r"plan: expected a plan for the 3 tokens of this pass, got 2")  # begin compares plan and chunk
+    rejected(cache, lambda: cache.check((1, 2, 3, 8), torch.float64, torch.device("cpu")), CacheError,
             r"plan: expected a plan for the 3 tokens of this pass, got 2")
-    rejects(cache, lambda: cache.seq_cp(1, 0), CacheError, r"dst: expected a sequence that holds no cells, got 0")
-    rejects(cache, lambda: cache.seq_rm(5), CacheError, r"seq: expected an int in \[0, 2\), got 5")
-    rejects(cache, lambda: cache.seq_rm(0, 4, 2), CacheError, r"p1: expected an int >= p0 = 4, got 2")
+    rejected(cache, lambda: cache.seq_cp(1, 0), CacheError, r"dst: expected a sequence that holds no cells, got 0")
+    rejected(cache, lambda: cache.seq_rm(5), CacheError, r"seq: expected an int in \[0, 2\), got 5")
+    rejected(cache, lambda: cache.seq_rm(0, 4, 2), CacheError, r"p1: expected an int >= p0 = 4, got 2")
     cache.plan([0], [60])
-    rejects(cache, lambda: model(torch.tensor([[1]]), cache), ValueError,
+    rejected(cache, lambda: model(torch.tensor([[1]]), cache), ValueError,
             r"positions: expected values in \[0, 48\), got min 60, max 60")
 
 
@@ -318,18 +316,22 @@ def test_scattered_rejects_bad_input_before_any_change():
     model = MODELS[False]
     cache = ScatteredCache(CFG.n_layers, 2, capacity=10)
     run_ragged(model, cache, [tokens(4, 0), tokens(2, 1)])
-    rejects(cache, lambda: cache.plan([1]), CacheError, r"n_new: expected 2 ints >= 0, one per row, got \[1\]")
-    rejects(cache, lambda: cache.plan([3, 1], 2), CacheError, r"t_new: expected an int >= max\(1, 3\), got 2")
-    rejects(cache, lambda: model(torch.tensor([[1], [2]]), cache), CacheError,
-            r"plan: expected plan\(n_new\) before each forward pass")
-    rejects(cache, lambda: run_ragged(model, cache, [tokens(7, 2), []]), CacheError,
+    rejected(cache, lambda: cache.plan([1]), CacheError, r"n_new: expected 2 ints >= 0, one per row, got \[1\]")
+    rejected(cache, lambda: cache.plan([3, 1], 2), CacheError, r"t_new: expected an int >= max\(1, 3\), got 2")
+    rejected(cache, lambda: run_ragged(model, cache, [tokens(7, 2), []]), CacheError,
             r"t_new: expected a chunk that fits the 6 free slots of the longest row, got 7")
-    rejects(cache, lambda: run_ragged(model, cache, [[CFG.vocab_size], []]), ValueError,
+    rejected(cache, lambda: run_ragged(model, cache, [[CFG.vocab_size], []]), ValueError,
             r"ids: expected values in \[0, 32\)")
-    rejects(cache, lambda: cache.crop(1, 3), CacheError, r"n_drop: expected an int in \[0, 2\], got 3")
+    rejected(cache, lambda: run_ragged(model, cache, [[1], [2], [3]]), CacheError,
+            r"chunks: expected 2 lists of token ids, got 3")
+    rejected(cache, lambda: cache.crop(1, 3), CacheError, r"n_drop: expected an int in \[0, 2\], got 3")
+    rejected(cache, lambda: model(torch.tensor([[1], [2], [3]]), cache), CacheError,
+            r"batch: expected the cache's batch size 2 \(reset it for a new batch\), got 3")
     cache.plan([1, 1])
-    rejects(cache, lambda: model(torch.tensor([[1], [2], [3]]), cache), ValueError,
-            r"positions: expected shape \(1,\) or \(3, 1\), got \(2, 1\)")
+    rejected(cache, lambda: model(torch.tensor([[1, 2], [2, 3]]), cache), CacheError,
+            r"plan: expected a plan for a chunk of 2 tokens, got 1")
+    rejected(cache, lambda: run_ragged(model, cache, [[1], [2]]), CacheError,
+            r"plan: expected no plan pending before planned_pass")
 
 
 # -- quantised K/V ---------------------------------------------------------------------------------
@@ -392,8 +394,7 @@ def test_key_outliers_leave_logits_unchanged_and_rotation_helps():
     errs = {}
     for rotate in (False, True):
         cache = QuantizedCache(CFG.n_layers, bits=8, rotate=rotate)
-        cache.append(0, k, v)
-        k_back, _ = cache.append(1, k, v)  # what attention reads from the cache
+        k_back, _ = cache.feed(k, v)  # what attention reads from the cache
         errs[rotate] = (k_back - k).abs().max().item()
     assert errs[True] < errs[False] / 2
 
@@ -409,15 +410,15 @@ def test_quantized_cache_rejects_bad_input_before_any_change():
     with pytest.raises(CacheError, match=r"group_size: expected None or a positive divisor of D=8, got 3"):
         model(torch.tensor([[1, 2]]), cache)
     assert states_equal(before, cache.state())
-    odd = GPT(CFG.with_(d_model=24, n_heads=4, n_kv_heads=2)).double().eval()
+    odd = GPT(CFG.with_(d_model=24, n_heads=4, n_kv_heads=2)).double().eval()  # D = 6
+    fresh = QuantizedCache(CFG.n_layers, rotate=True)
+    rejected(fresh, lambda: odd(torch.tensor([[1, 2]]), fresh), CacheError,
+            r"k: expected a head dim that is a power of two \(for the rotation\), got 6")
     cache = QuantizedCache(CFG.n_layers, rotate=True)
     run_chunks(model, cache, tokens(3, 0), [3])  # D = 8 first, then a model with D = 6
-    before = cache.state()
-    with pytest.raises(CacheError, match=r"k: expected a head dim that is a power of two \(for the rotation\), got 6"):
-        odd(torch.tensor([[1, 2]]), cache)
-    assert states_equal(before, cache.state())
-    with pytest.raises(CacheError, match=r"dtype: expected the cache's dtype torch.float64, got torch.float32"):
-        make_model().float()(torch.tensor([[1]]), cache)
-    assert states_equal(before, cache.state())
+    rejected(cache, lambda: odd(torch.tensor([[1, 2]]), cache), CacheError,
+            r"k, v: expected Hkv=2 heads of D=8, as cached, got \(1, 2, 2, 6\)")
+    rejected(cache, lambda: make_model().float()(torch.tensor([[1]]), cache), CacheError,
+            r"dtype: expected the cache's dtype torch.float64, got torch.float32")
     with pytest.raises(CacheError, match=r"factor: expected a non-zero number, got 0"):
         with_key_outliers(model, 0)

@@ -110,9 +110,11 @@ def test_caption_metadata_is_what_myst_nb_reads():
 def test_quantized_bytes_are_what_the_quantized_cache_holds(n_layers, batch, tokens, heads, head_dim, group):
     cache = QuantizedCache(n_layers, group_size=group)
     g = torch.Generator().manual_seed(0)
+    cache.begin((batch, heads, tokens, head_dim), torch.float32, "cpu")  # one pass, as the model makes it
     for layer in range(n_layers):
         cache.append(layer, torch.randn(batch, heads, tokens, head_dim, generator=g),
                      torch.randn(batch, heads, tokens, head_dim, generator=g))
+    cache.end()
     assert cache.nbytes == quantized_kv_cache_bytes(n_layers, batch, tokens, heads, head_dim, group)
     if group is None:
         float32 = 2 * n_layers * batch * tokens * heads * head_dim * 4

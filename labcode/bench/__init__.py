@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from labcode.bench.append import KINDS as APPEND_KINDS
 from labcode.bench.append import AppendSetup, bench_append, bench_append_attention
 from labcode.bench.batch import bench_batch, critical_batch_curve
 from labcode.bench.decode import (
@@ -33,7 +34,6 @@ from labcode.bench.decode import (
     overhead_step,
     products_only_diff,
     profile_decode,
-    row_major_copy,
 )
 from labcode.bench.floor import (
     CATEGORIES,
@@ -45,6 +45,7 @@ from labcode.bench.floor import (
     product_variants,
     validation_cost,
 )
+from labcode.bench.layout import row_major_copy, store_wide_weights_by_column
 from labcode.bench.memory import allocation_agrees, allocation_check, concurrency, concurrency_sweep
 from labcode.bench.roofline import (
     bench_roofline,
@@ -56,13 +57,12 @@ from labcode.bench.roofline import (
     summary,
 )
 from labcode.bench.timing import Streamer, linear_layouts, matmul_flops_per_s, op_overhead
+from labcode.checkpoint import default_device
 from labcode.config import get_config
 from labcode.flops import forward_flops, measure_flops
 from labcode.model import GPT
 from labcode.results import QAResult, recorded
 from labcode.roofline import decode_cost, predict, prefill_cost, uncached_cost
-
-APPEND_KINDS = ["cat", "slice", "ring", "grow_linear", "grow_double", "bare_cat", "bare_slice", "fused_slice"]
 
 
 @dataclass(frozen=True)
@@ -138,17 +138,13 @@ SIZES = {
 TIMED = recorded("benchmark measurements of the machine that ran them")
 
 
-def default_device() -> torch.device:
-    """CUDA when present, CPU otherwise."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def random_model(preset: str, device: torch.device, seed: int = 0) -> GPT:
-    """A model of `preset` with random weights, in eval mode; the global RNG is left as it was."""
+    """A model of `preset` with random weights, its wide weights stored by column (`bench.layout`), in eval mode;
+    the global RNG is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(get_config(preset))
-    return model.to(device).eval()
+    return store_wide_weights_by_column(model).to(device).eval()
 
 
 def _bar(total: int, desc: str, enabled: bool):
@@ -321,7 +317,7 @@ def _append_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, progre
     for name, prefill in zip(("candle", "long"), sizes.append_prefills, strict=True):
         setup = AppendSetup(name, prefill, sizes.append_decode, n_layers=sizes.append_layers)
         with _bar((sizes.append_rounds + 1) * setup.decode, f"append {name}", progress) as bar:
-            append[name] = bench_append(setup, APPEND_KINDS, sizes.append_rounds, device, progress=bar)
+            append[name] = bench_append(setup, list(APPEND_KINDS), sizes.append_rounds, device, progress=bar)
     res.value("append", append, TIMED)
     setup = AppendSetup("candle", sizes.append_prefills[0], sizes.attention_decode, n_layers=sizes.append_layers)
     with _bar((sizes.attention_rounds + 1) * setup.decode, "append + attention", progress) as bar:

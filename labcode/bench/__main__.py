@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from labcode.bench import SIZES, default_device, run_benchmarks
+from labcode.bench import SIZES, run_benchmarks
+from labcode.checkpoint import default_device
 
 
 def main(argv: list[str] | None = None) -> int:

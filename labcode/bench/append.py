@@ -7,13 +7,13 @@ the cache work is timed, no model runs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from labcode.attention import repeat_kv_attention
 from labcode.bench.timing import median, rotated, timed
 from labcode.caches import ConcatCache, GrowableCache, RingCache, WindowCache
 from labcode.model import attend
@@ -39,33 +39,20 @@ class AppendSetup:
 # 10 µs per step for all layers, and concatenation was 24 to 35 times slower.
 CANDLE_REPORTED = {"slice_us_per_step": 10, "cat_over_slice_low": 24, "cat_over_slice_high": 35}
 
-LABELS = {
-    "cat": "ConcatCache (torch.cat)",
-    "slice": "WindowCache (slice write)",
-    "ring": "RingCache (index_copy_)",
-    "grow_linear": "GrowableCache, linear growth",
-    "grow_double": "GrowableCache, doubling",
-    "bare_cat": "bare torch.cat per layer",
-    "bare_slice": "bare narrow().copy_() per layer",
-    "fused_slice": "one copy_ for all layers",
-}
+KINDS = ("cat", "slice", "ring", "grow_linear", "grow_double", "bare_cat", "bare_slice", "fused_slice")
 
 
 class CourseAppender:
-    """A `labcode.caches` object fed the way the model feeds it: one append per layer, then advance."""
+    """A `labcode.caches` object fed the way the model feeds it: begin, one append per layer, end."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
 
     def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        for layer in range(self.cache.n_layers):
-            self.cache.append(layer, k, v)
-        self.cache.advance(k.shape[2])
+        self.cache.feed(k, v)
 
     def step(self, k: torch.Tensor, v: torch.Tensor, kv_all: torch.Tensor) -> None:
-        for layer in range(self.cache.n_layers):
-            self.cache.append(layer, k, v)
-        self.cache.advance(1)
+        self.cache.feed(k, v)
 
     def last_layer(self) -> torch.Tensor:
         """Keys of the last layer in time order, [B, Hkv, S, D]."""
@@ -146,7 +133,7 @@ class FusedSlice:
 
 
 def make_appender(kind: str, setup: AppendSetup, like: torch.Tensor):
-    """A fresh appender of `kind` (a key of LABELS) able to hold prefill + decode positions."""
+    """A fresh appender of `kind` (one of KINDS) able to hold prefill + decode positions."""
     cap, n = setup.prefill + setup.decode, setup.n_layers
     makers: dict[str, Callable[[], object]] = {
         "cat": lambda: CourseAppender(ConcatCache(n)),
@@ -208,15 +195,6 @@ def bench_append(setup: AppendSetup, kinds: list[str], rounds: int, device: torc
     }
 
 
-def repeat_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Copy each K/V head H/Hkv times (as `repeat_kv` does), then plain attention; q [B, H, T, D] -> [B, H, T, D]."""
-    b, hkv, s, d = k.shape
-    g = q.shape[1] // hkv
-    k = k[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d)  # (B, H, S, D): a copy
-    v = v[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d)
-    return ((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))).softmax(dim=-1) @ v
-
-
 ATTENTION = {
     "repeat_kv": repeat_kv_attention,
     "gqa": lambda q, k, v: attend(q, k, v, None),
@@ -242,9 +220,10 @@ def bench_append_attention(setup: AppendSetup, caches: list[str], rounds: int, d
                 cache, method = cache_objs[combo], ATTENTION[combo.split("/")[1]]
 
                 def step(cache=cache, method=method, combo=combo, k=k, v=v):
+                    cache.begin(k.shape, k.dtype, k.device)
                     for layer in range(cache.n_layers):
                         outputs[combo] = method(q, *cache.append(layer, k, v))  # (B, H, 1, D)
-                    cache.advance(1)
+                    cache.end()
 
                 t = timed(step, device)
                 if r > 0:

@@ -7,71 +7,53 @@ machine's load touches all methods alike.
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 
 from labcode.bench.timing import Streamer, median, rotated, timed, timed_cpu
-from labcode.caches import ConcatCache, GrowableCache, RingCache, WindowCache
+from labcode.caches import ConcatCache, GrowableCache, Request, RingCache, WindowCache
+from labcode.cost import kv_cache_bytes
 from labcode.flops import generation_flops
-from labcode.generate import decode_step, prefill
+from labcode.generate import decode_step
 from labcode.model import GPT, attend, rotate
 
 METHODS = ("nocache", "cat", "window", "ring", "grow_linear", "grow_double", "naive", "explicit")
-LABELS = {
-    "nocache": "no cache (full forward each step)",
-    "cat": "ConcatCache",
-    "window": "WindowCache (slice write)",
-    "ring": "RingCache",
-    "grow_linear": "GrowableCache, linear",
-    "grow_double": "GrowableCache, doubling",
-    "naive": "state inside the model (use_cache=True)",
-    "explicit": "explicit (K, V) pairs (return_cache=True)",
-}
 
 
 class Runner:
-    """One generation method: `start(ids)` runs the prompt, `step(token)` one new token; both return logits [B, V]."""
+    """One generation method: `start(ids)` runs the prompt, `step(token)` one new token; both return logits [B, V].
+
+    "nocache" reruns the whole sequence; every other method is a `Request` in one of the three styles.
+    """
 
     def __init__(self, model: GPT, method: str, capacity: int) -> None:
-        self.model, self.method = model, method
+        self.model, self.method, self.ids = model, method, None
         n = model.cfg.n_layers
-        self.cache = {
+        caches = {
             "cat": lambda: ConcatCache(n),
             "window": lambda: WindowCache(n, capacity),
             "ring": lambda: RingCache(n, capacity),
             "grow_linear": lambda: GrowableCache(n, 16, "linear"),
             "grow_double": lambda: GrowableCache(n, 16, "double"),
-        }.get(method, lambda: None)()
-        self.ids: torch.Tensor | None = None
-        self.pairs = None
+        }
+        if method in caches:
+            self.request = Request(model, "object", caches[method]())
+        elif method != "nocache":
+            self.request = Request(model, method)  # "naive" or "explicit"
 
     def start(self, ids: torch.Tensor) -> torch.Tensor:
-        m = self.model
         if self.method == "nocache":
             self.ids = ids
-            return m(ids)[:, -1]
-        if self.method == "naive":
-            m.reset_kv_cache()
-            return m(ids, use_cache=True)[:, -1]
-        if self.method == "explicit":
-            logits, self.pairs = m(ids, None, return_cache=True)
-            return logits[:, -1]
-        return prefill(m, ids, self.cache)
+            return self.model(ids)[:, -1]
+        return self.request(ids)[:, -1]
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        m = self.model
         if self.method == "nocache":
             self.ids = torch.cat((self.ids, token.unsqueeze(1)), dim=1)  # (B, P + i)
-            return m(self.ids)[:, -1]
-        if self.method == "naive":
-            return m(token.unsqueeze(1), use_cache=True)[:, -1]
-        if self.method == "explicit":
-            logits, self.pairs = m(token.unsqueeze(1), self.pairs, return_cache=True)
-            return logits[:, -1]
-        return decode_step(m, token, self.cache)
+            return self.model(self.ids)[:, -1]
+        return self.request(token.unsqueeze(1))[:, -1]
 
 
 @torch.inference_mode()
@@ -148,7 +130,7 @@ def weight_bytes_per_step(model: GPT) -> int:
 def kv_bytes_per_step(model: GPT, keys: int, batch: int = 1) -> int:
     """Bytes of K and V one decode step reads when `keys` positions (the new one included) are attended to."""
     cfg = model.cfg
-    return 2 * cfg.n_layers * batch * keys * cfg.n_kv_heads * cfg.head_dim * model.tok_emb.weight.element_size()
+    return kv_cache_bytes(cfg.n_layers, batch, keys, cfg.n_kv_heads, cfg.head_dim, model.dtype.itemsize)
 
 
 def _fill(cache: WindowCache, model: GPT, length: int, gen: torch.Generator) -> None:
@@ -158,18 +140,7 @@ def _fill(cache: WindowCache, model: GPT, length: int, gen: torch.Generator) -> 
         return
     shape = (1, cfg.n_kv_heads, length, cfg.head_dim)
     k = torch.randn(shape, generator=gen).to(model.device, model.dtype)
-    for layer in range(cfg.n_layers):
-        cache.append(layer, k, k)
-    cache.advance(length)
-
-
-def row_major_copy(model: GPT) -> GPT:
-    """A copy of `model` whose every weight is stored row by row (PyTorch's default layout)."""
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.data = p.data.contiguous()
-    return other
+    cache.feed(k, k)
 
 
 class ProductsOnly:
@@ -191,7 +162,7 @@ class ProductsOnly:
 
     def __call__(self, ids: torch.Tensor, cache: WindowCache) -> torch.Tensor:
         m, cfg = self.model, self.cfg
-        b, n = ids.shape[0], cache.ptr[0]
+        b, n = ids.shape[0], cache.ptr
         h, hkv, d, c = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
         assert ids.shape[1] == 1 and n < cache.capacity, "one new position, without a drop"
         x = F.embedding(ids, m.tok_emb.weight)  # (B, 1, C)
@@ -204,8 +175,7 @@ class ProductsOnly:
             k, v = F.linear(a, wkv.weight, wkv.bias).view(b, 1, 2, hkv, d).permute(2, 0, 3, 1, 4)
             if cfg.rotary:
                 q, k = rotate(q, pos, cfg.rope_base), rotate(k, pos, cfg.rope_base)
-            if cache.k[layer] is None:  # an empty cache: its buffers come with the first write
-                cache._ensure_buffers(layer, k)
+            cache._buffers(layer, k, cache.capacity)  # an empty cache: its buffers come with the first write
             keys, values = cache.k[layer], cache.v[layer]
             keys.narrow(2, n, 1).copy_(k)
             values.narrow(2, n, 1).copy_(v)
@@ -213,8 +183,7 @@ class ProductsOnly:
             x = x + F.linear(y.transpose(1, 2).reshape(b, 1, c), wo.weight, wo.bias)
             a = F.layer_norm(x, (c,), ln2.weight, ln2.bias, ln2.eps)
             x = x + F.linear(F.gelu(F.linear(a, fc.weight, fc.bias), approximate="tanh"), proj.weight, proj.bias)
-        cache.ptr = [n + 1] * cache.n_layers
-        cache.position += 1
+        cache.ptr, cache.position = n + 1, cache.position + 1  # bypasses the protocol on purpose: no begin, no end
         return F.linear(F.layer_norm(x, (c,), m.ln_f.weight, m.ln_f.bias, m.ln_f.eps), m.tok_emb.weight)
 
 

@@ -13,10 +13,21 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from labcode.bench.append import LABELS as APPEND_LABELS
-from labcode.bench.decode import LABELS as METHOD_LABELS
-
 US, MS = 1e6, 1e3
+LABELS = {  # every contender of the append and generation benchmarks
+    "nocache": "no cache (full forward each step)",
+    "cat": "ConcatCache (torch.cat)",
+    "slice": "WindowCache (slice write)",
+    "window": "WindowCache (slice write)",
+    "ring": "RingCache (index_copy_)",
+    "grow_linear": "GrowableCache, linear growth",
+    "grow_double": "GrowableCache, doubling",
+    "bare_cat": "bare torch.cat per layer",
+    "bare_slice": "bare narrow().copy_() per layer",
+    "fused_slice": "one copy_ for all layers",
+    "naive": "state inside the model (use_cache=True)",
+    "explicit": "explicit (K, V) pairs (return_cache=True)",
+}
 VARIANT_COLORS = ("tab:orange", "tab:green", "tab:purple", "tab:brown")  # the floor plot's variants, in order
 
 
@@ -37,7 +48,7 @@ def plot_append(values: dict) -> Figure:
 
     def draw(ax: Axes, name: str, res: dict) -> None:
         for kind, ts in res["per_step_s"].items():
-            ax.plot(res["cache_length"], [t * US for t in ts], label=APPEND_LABELS.get(kind, kind), lw=1.2)
+            ax.plot(res["cache_length"], [t * US for t in ts], label=LABELS.get(kind, kind), lw=1.2)
         s = res["setup"]
         ax.set(xlabel="keys cached after the step", ylabel="µs per decode step (all layers)",
                title=f"{name}: L={s['n_layers']}, Hkv={s['n_kv_heads']}, D={s['head_dim']}, prefill {s['prefill']}")
@@ -57,7 +68,7 @@ def plot_append_attention(values: dict) -> Figure:
         xs = [i + j * width for i in range(len(caches))]
         ax.bar(xs, [res["median_step_s"][f"{c}/{m}"] * MS for c in caches], width, label=m)
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(caches))],
-                  [APPEND_LABELS.get(c, c) for c in caches])
+                  [LABELS.get(c, c) for c in caches])
     ax.set(ylabel="ms per decode step (all layers)", title="append + single-token attention")
     ax.legend(title="attention")
     fig.tight_layout()
@@ -70,7 +81,7 @@ def plot_generation(values: dict) -> Figure:
     def draw(ax: Axes, preset: str, res: dict) -> None:
         for m, ts in res["per_step_s"].items():
             style = {"lw": 2.0, "color": "black"} if m == "nocache" else {"lw": 1.0}
-            ax.plot(res["positions"][1:], [t * MS for t in ts[1:]], label=METHOD_LABELS.get(m, m), **style)
+            ax.plot(res["positions"][1:], [t * MS for t in ts[1:]], label=LABELS.get(m, m), **style)
         ax.set(xlabel="tokens in the context", ylabel="ms per generated token",
                title=f"{preset}: prompt {res['prompt_len']}, {res['new_tokens']} new tokens")
 
@@ -423,7 +434,7 @@ def plot_append_medians(values: dict) -> Figure:
         ax.barh([k + i * height for k in range(len(kinds))], [run["median_step_s"][k] * US for k in kinds], height,
                 color=color, label=f"{run['setup']['prefill']:,} positions cached")
     ax.set_yticks([k + height * (len(runs) - 1) / 2 for k in range(len(kinds))],
-                  [APPEND_LABELS.get(k, k) for k in kinds])
+                  [LABELS.get(k, k) for k in kinds])
     ax.invert_yaxis()
     ax.set(xscale="log", xlabel="µs per decode step, all layers (median)")
     _plain(ax, "x")

@@ -64,9 +64,7 @@ def fill_cache(cache, model: GPT, batch: int, length: int) -> None:
     cfg = model.cfg
     row = torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=torch.Generator().manual_seed(length))
     kv = row.to(model.device, model.dtype).expand(batch, -1, length, -1)  # (B, Hkv, length, D), a view
-    for layer in range(cfg.n_layers):
-        cache.append(layer, kv, kv)
-    cache.advance(length)
+    cache.feed(kv, kv)
 
 
 def shrunk_model(cfg: GPTConfig, device: torch.device) -> GPT:

@@ -1,7 +1,8 @@
 """Timing helpers: synchronised wall-clock timers, medians, per-operation overhead, bandwidth.
 
-Introduced in chapter 7. Every comparison runs in one process, interleaved (the order
-of the contenders rotates every step), after a warm-up, and is summarised by medians.
+Introduced in chapter 7 (and used by chapter 8's kernel timings). Every comparison runs in
+one process, interleaved (the order of the contenders rotates every step), after a warm-up,
+and is summarised by medians.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
+from labcode.checks import fail
 
 
 def sync(device: torch.device) -> None:
@@ -44,6 +47,55 @@ def timed_cpu(fn: Callable[[], object], device: torch.device) -> tuple[float, fl
 def median(values: Sequence[float]) -> float:
     """The median, or NaN for no values."""
     return statistics.median(values) if len(values) else float("nan")
+
+
+def interleaved_samples(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 20,
+    warmup: int = 3,
+    *,
+    threads: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Seconds per call of each zero-argument function, `repeats` rounds of one call each, after `warmup` rounds.
+
+    The functions take turns within every round, so a busy moment on the machine hits all of them alike,
+    and sample i of every function comes from the same round (ratios per round are fair). `threads`
+    sets torch's CPU thread count for the timing only (restored afterwards); None leaves it alone.
+    `clock`: wall time by default; `time.process_time` counts only this process's CPU time, which on a
+    machine shared with other jobs leaves out the time the scheduler gives to them.
+    """
+    if repeats <= 0 or warmup < 0:
+        fail("repeats, warmup", "> 0 and >= 0", f"{repeats}, {warmup}")
+    if threads is not None and (type(threads) is not int or threads <= 0):
+        fail("threads", "a positive int or None", repr(threads))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for rep in range(warmup + repeats):
+            for name, fn in fns.items():
+                start = clock()
+                fn()
+                if rep >= warmup:
+                    times[name].append(clock() - start)
+    finally:
+        torch.set_num_threads(before)
+    return times
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 20,
+    warmup: int = 3,
+    *,
+    threads: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """Median seconds per call of each zero-argument function, timed in turns (see `interleaved_samples`)."""
+    samples = interleaved_samples(fns, repeats, warmup, threads=threads, clock=clock)
+    return {name: median(ts) for name, ts in samples.items()}
 
 
 def rotated(names: Sequence[str], k: int) -> list[str]:

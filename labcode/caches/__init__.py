@@ -1,12 +1,13 @@
-"""Cache policies, each a small class behind the one `KVCache` interface (chapters 3 to 5)."""
+"""Cache policies, each a small class behind the one `KVCache` contract (chapters 3 to 5)."""
 
-from labcode.caches.base import CacheError, KVCache
+from labcode.caches.base import CacheError, KVCache, NoCache
 from labcode.caches.concat import ConcatCache
 from labcode.caches.explicit import PairsCache
 from labcode.caches.growable import GrowableCache
 from labcode.caches.naive import ModuleStateCache
 from labcode.caches.prealloc import PreallocatedCache
 from labcode.caches.ring import RingCache
+from labcode.caches.styles import Request, as_cache
 from labcode.caches.window import WindowCache
 
 __all__ = [
@@ -15,8 +16,11 @@ __all__ = [
     "GrowableCache",
     "KVCache",
     "ModuleStateCache",
+    "NoCache",
     "PairsCache",
     "PreallocatedCache",
+    "Request",
     "RingCache",
     "WindowCache",
+    "as_cache",
 ]

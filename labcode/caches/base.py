@@ -1,30 +1,32 @@
-"""The one interface every cache policy implements.
+"""The one contract every cache keeps, and the defaults that let the model have one path.
 
-Introduced in chapter 3. The model asks a cache for the keys and values to read
-(`append`), the mask over them (`mask`) and the absolute position of the next
-token (`position`). A cache knows nothing of the model.
+Introduced in chapter 3. A forward pass with a cache is three steps, always in this order:
+
+    placed = cache.begin((B, Hkv, T, D), dtype, device)  # once: check everything, write nothing
+    for layer in range(L):
+        k_all, v_all = cache.append(layer, k, v)         # store this layer's T new keys and values
+        mask = cache.mask(layer, T)                      # [T, S_total] of what each new query may see
+    cache.end()                                          # once: commit (position moves on by T)
+
+`begin` returns None (the new tokens sit at position, position + 1, ...) or the positions the
+cache places them at itself (chapter 9). Every refusal happens in `begin`, before anything is
+written, so a refused pass changes nothing; a pass that fails after `begin` is closed with
+`cancel()`, which commits nothing. A fork owns everything it will write. A cache knows nothing
+of the model.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from labcode.checks import fail, is_int
 from labcode.masks import causal_mask
 
 
 class CacheError(ValueError):
-    """A call the cache rejects; raised before any state changes."""
-
-
-def expect(ok: bool, argument: str, expected: str, got: object) -> None:
-    """Raise CacheError naming the argument, the expectation and the value when `ok` is false."""
-    if not ok:
-        raise CacheError(f"{argument}: expected {expected}, got {got}")
-
-
-def is_count(x: object) -> bool:
-    """True for a Python int that is not a bool (bools are ints, but never a size)."""
-    return type(x) is int or (isinstance(x, int) and not isinstance(x, bool))
+    """A call the cache refuses; raised before any state changes."""
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
@@ -33,14 +35,61 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a cache's first pass fixes: B rows of Hkv key/value heads of width D, one dtype, one device."""
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(k: torch.Tensor) -> Layout:
+        """The layout of stored keys k [B, Hkv, S, D]."""
+        return Layout(k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
+
+
+@dataclass
+class Chunk:
+    """The pass in progress, from `begin` to `end`: T new tokens for each of B rows.
+
+    `begin` fills it once; each layer's `append` and `mask` read it; `end` commits it.
+    """
+
+    shape: tuple[int, int, int, int]  # (B, Hkv, T, D) of the k and v every layer appends
+    dtype: torch.dtype
+    device: torch.device
+    start: int  # cache.position when the pass began
+    layer: int = 0  # the next layer to append: each layer appends once per pass, in order
+    placed: torch.Tensor | None = None  # positions [T] or [B, T] when the cache places tokens itself
+    past: int = 0  # cached keys ahead of the T new ones in what `append` returns
+    mask: torch.Tensor | None = None  # what every layer's queries may see (None: every returned key)
+    dropped: int = 0  # cached positions this pass drops (window caches)
+    slots: torch.Tensor | None = None  # where the T tokens are written, when not after the cached ones
+    plan: object = None  # anything else a cache decided for this pass in `_open`
+
+    @property
+    def t_new(self) -> int:
+        return self.shape[2]
+
+    @property
+    def layout(self) -> Layout:
+        b, hkv, _, d = self.shape
+        return Layout(b, hkv, d, self.dtype, self.device)
+
+
 def snapshot(value: object) -> object:
-    """A deep copy of lists, tuples, dicts and tensors (cloned), for "state unchanged" checks."""
+    """A deep copy of lists, tuples, dicts, passes and tensors (cloned), for "state unchanged" checks."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (list, tuple)):
         return type(value)(snapshot(v) for v in value)
     if isinstance(value, dict):
         return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, Chunk):
+        return {"chunk": snapshot(vars(value))}
     return value
 
 
@@ -59,100 +108,252 @@ def states_equal(a: object, b: object) -> bool:
 
 
 class KVCache:
-    """Per-layer key/value storage for one batch of requests.
+    """Key/value storage for one batch of requests, behind the contract of this module's docstring.
 
-    Subclasses implement `_append` and `length` and, if their storage is not
-    chronological, `mask`. The model calls, in order: `check` (once), `append` and
-    `mask` (per layer), `advance` (once).
+    A subclass stores keys in `_append(layer, k, v)` and says how many it holds in `length`;
+    it may refuse what it cannot take in `_check(chunk)`, prepare each pass once in
+    `_open(chunk)` and make it permanent in `_commit(chunk)`. Everything else has a default.
     """
 
-    max_chunk: int | None = None  # the largest chunk one call accepts (None: any)
+    max_chunk: int | None = None  # the largest T one pass accepts (None: any)
+    position: int = 0  # absolute position of the next token: the tokens committed so far
+    layout: Layout | None = None  # B, Hkv, D, dtype and device, fixed by the first pass
+    planned: object = None  # a plan for the next pass, for caches that place tokens themselves (chapter 9)
 
     def __init__(self, n_layers: int) -> None:
-        expect(is_count(n_layers) and n_layers > 0, "n_layers", "a positive number of layers", repr(n_layers))
+        if not (is_int(n_layers) and n_layers > 0):
+            fail("n_layers", "a positive number of layers", repr(n_layers), CacheError)
         self.n_layers = n_layers
-        self.position = 0  # absolute position of the next token: tokens seen so far
-        self.batch: int | None = None  # B, dtype, device, Hkv and D are fixed by the first append
-        self.dtype: torch.dtype | None = None
-        self.device: torch.device | None = None
-        self.kv_heads: int | None = None
-        self.head_dim: int | None = None
+        self.chunk: Chunk | None = None  # the pass in progress, between begin and end
 
-    # -- validation: everything is checked before anything is written --------
-    def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Raise CacheError if a chunk of `t_new` tokens cannot be appended; change nothing.
+    # -- the contract ----------------------------------------------------------------
+    def begin(self, shape: tuple[int, int, int, int], dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor | None:
+        """Open a pass in which every layer appends k, v of `shape` (B, Hkv, T, D).
 
-        Runs for every layer of every call, so the messages are only built on failure.
+        Returns the new tokens' positions [T] or [B, T] if this cache places them itself
+        (chapter 9), else None: they follow `position`. Refuses with CacheError, changing nothing.
         """
-        if not (is_count(t_new) and t_new > 0):
-            expect(False, "t_new", "at least one new token", t_new)
-        if self.max_chunk is not None and t_new > self.max_chunk:
-            expect(False, "t_new",
-                   f"a chunk of at most {self.max_chunk} tokens (the window; prefill longer prompts in chunks)",
-                   t_new)
-        if self.batch is not None:
-            if batch != self.batch:
-                expect(False, "batch", f"the cache's batch size {self.batch} (reset it for a new batch)", batch)
-            if dtype != self.dtype:
-                expect(False, "dtype", f"the cache's dtype {self.dtype}", dtype)
-            if device != self.device and not same_device(device, self.device):
-                expect(False, "device", f"the cache's device {self.device}", device)
+        chunk = self._chunk(shape, dtype, device)
+        self._refuse(chunk)
+        self._open(chunk)
+        self.chunk = chunk
+        return chunk.placed
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] for `layer`; return all keys and values to attend to."""
-        if not (is_count(layer) and 0 <= layer < self.n_layers):
-            expect(False, "layer", f"0 <= layer < {self.n_layers}", layer)
-        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            expect(False, "k, v", "two tensors", (type(k).__name__, type(v).__name__))
-        shape = k.shape
-        if not (len(shape) == 4 and shape == v.shape):
-            expect(False, "k, v", "two [B, Hkv, T, D] tensors of one shape", (tuple(shape), tuple(v.shape)))
-        if not (k.dtype == v.dtype and k.device == v.device):
-            expect(False, "k, v", "one dtype and one device", (k.dtype, v.dtype, k.device, v.device))
-        KVCache.check(self, shape[0], shape[2], k.dtype, k.device)  # the per-chunk rules, for every layer
-        if self.kv_heads is None:
-            self._remember(k)
-        elif shape[1] != self.kv_heads or shape[3] != self.head_dim:
-            expect(False, "k, v", f"Hkv={self.kv_heads} heads of D={self.head_dim}, as cached", tuple(shape))
-        return self._append(layer, k, v)
+        """Store `layer`'s new k, v [B, Hkv, T, D]; return all it may attend to, [B, Hkv, S_total, D].
 
-    def _remember(self, k: torch.Tensor) -> None:
-        """Fix B, Hkv, D, dtype and device at the first append."""
-        self.batch, self.kv_heads, _, self.head_dim = k.shape
-        self.dtype, self.device = k.dtype, k.device
+        Only per-layer facts are checked here: `begin` checked everything else, once.
+        """
+        chunk = self._in_pass("append")
+        if not (is_int(layer) and 0 <= layer < self.n_layers):
+            fail("layer", f"0 <= layer < {self.n_layers}", layer, CacheError)
+        if layer != chunk.layer:
+            fail("layer", f"layer {chunk.layer} next (each layer appends once per pass, in order)", layer, CacheError)
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            fail("k, v", "two tensors", (type(k).__name__, type(v).__name__), CacheError)
+        if not (k.shape == v.shape == chunk.shape):
+            fail("k, v", f"two [B, Hkv, T, D] tensors of the shape begin() was given, {chunk.shape}",
+                 (tuple(k.shape), tuple(v.shape)), CacheError)
+        if not (k.dtype == v.dtype == chunk.dtype and k.device == v.device and same_device(k.device, chunk.device)):
+            fail("k, v", f"{chunk.dtype} on {chunk.device}, as begin() was given", (k.dtype, k.device), CacheError)
+        out = self._append(layer, k, v)
+        chunk.layer += 1
+        return out
+
+    def mask(self, layer: int, t_new: int) -> torch.Tensor | None:
+        """Boolean [T, S_total] mask over what `append` returned (True: visible), or None when all is visible.
+
+        The default is the one `_open` built for the whole pass: the offset causal mask.
+        """
+        return self._in_pass("mask").mask
+
+    def end(self) -> None:
+        """Close the pass once every layer has appended, and make it permanent."""
+        chunk = self._in_pass("end")
+        if chunk.layer != self.n_layers:
+            fail("layer", f"all {self.n_layers} layers appended before end()", f"{chunk.layer}", CacheError)
+        self._commit(chunk)
+        self.chunk = None
+
+    def cancel(self) -> None:
+        """Close a pass that failed between begin and end, committing nothing of it.
+
+        Position, counters, tables and plans stay as they were. A cache that writes in place
+        (window, ring) may keep rows of the failed pass in its buffers: reset such a cache.
+        """
+        self.chunk = None
+
+    # -- what a cache kind says about itself (defaults) --------------------------------
+    def _check(self, chunk: Chunk) -> None:
+        """Refuse with CacheError what this kind cannot take; change nothing. Default: nothing more."""
+
+    def _open(self, chunk: Chunk) -> None:
+        """Prepare the pass once, writing nothing: by default the T new keys follow the `length()`
+        held ones, under the offset causal mask."""
+        chunk.past = self.length()
+        chunk.mask = None if chunk.t_new == 1 else causal_mask(chunk.t_new, chunk.past, device=chunk.device)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def mask(self, layer: int, t_new: int) -> torch.Tensor | None:
-        """Boolean [T, S_total] mask over what `append` returned (None: all visible)."""
-        s_total = self.length(layer)
-        if t_new == 1:
-            return None  # one query after its own key: every stored key is in its past
-        return causal_mask(t_new, s_total - t_new, device=self.device)
-
-    def advance(self, t_new: int) -> None:
-        """Move the position counter once all layers have appended `t_new` tokens."""
-        self.position += t_new
+    def _commit(self, chunk: Chunk) -> None:
+        """Make the pass permanent: position moves on by T, and the first pass fixes the layout."""
+        self.position = chunk.start + chunk.t_new
+        if self.layout is None:
+            self.layout = chunk.layout
 
     def length(self, layer: int = 0) -> int:
         """Number of keys stored for `layer`."""
         raise NotImplementedError
 
-    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The stored K, V [B, Hkv, S, D] of `layer`, oldest position first (None, None if empty)."""
         raise NotImplementedError
 
-    def reset(self) -> None:
-        """Forget everything, as if new."""
-        self.position = 0
-        self.batch = self.dtype = self.device = self.kv_heads = self.head_dim = None
-
-    def state(self) -> dict:
-        """A snapshot of everything observable (tensors cloned), for "state unchanged" checks."""
-        return {key: snapshot(val) for key, val in vars(self).items()}
+    def room(self) -> int | None:
+        """How many more positions this cache can take (None: no limit of its own)."""
+        return None
 
     @property
     def nbytes(self) -> int:
         """Bytes of K/V storage held."""
         raise NotImplementedError
+
+    # -- built on the contract ---------------------------------------------------------
+    def check(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str) -> None:
+        """Raise CacheError if `begin` would refuse this pass; change nothing."""
+        self._refuse(self._chunk(shape, dtype, device))
+
+    def feed(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One whole pass without a model: the same k, v [B, Hkv, T, D] appended to every layer.
+
+        Returns what the last layer's `append` returned.
+        """
+        self.begin(tuple(k.shape), k.dtype, k.device)
+        try:
+            for layer in range(self.n_layers):
+                out = self.append(layer, k, v)
+        except BaseException:
+            self.cancel()
+            raise
+        self.end()
+        return out
+
+    def fork(self) -> KVCache:
+        """A copy that owns everything it will write: later passes on one never change what the other reads.
+
+        The default copies every list, dict and tensor; a cache may share what it never writes in place.
+        """
+        self._between_passes("forks are made between passes")
+        other = object.__new__(type(self))
+        other.__dict__.update({key: snapshot(val) for key, val in vars(self).items()})
+        return other
+
+    def reset(self) -> None:
+        """Forget everything, as if new."""
+        self.position, self.layout, self.chunk = 0, None, None
+
+    def state(self) -> dict:
+        """A snapshot of everything observable (tensors cloned), for "state unchanged" checks."""
+        return {key: snapshot(val) for key, val in vars(self).items()}
+
+    # -- the base rules, checked once per pass -------------------------------------------
+    def _chunk(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str) -> Chunk:
+        self._between_passes("end() or cancel() it first")
+        shape = tuple(shape)
+        if not (len(shape) == 4 and all(is_int(n) for n in shape)):
+            fail("shape", "(B, Hkv, T, D), four ints", shape, CacheError)
+        if shape[2] < 1:
+            fail("t_new", "at least one new token", shape[2], CacheError)
+        if min(shape) < 1:
+            fail("shape", "(B, Hkv, T, D), all positive", shape, CacheError)
+        return Chunk(shape, dtype, torch.device(device), self.position)
+
+    def _refuse(self, chunk: Chunk) -> None:
+        """The rules every cache keeps, then this kind's own (`_check`)."""
+        b, hkv, t, d = chunk.shape
+        if self.max_chunk is not None and t > self.max_chunk:
+            fail("t_new", f"a chunk of at most {self.max_chunk} tokens (the window; prefill longer prompts in chunks)",
+                 t, CacheError)
+        fixed = self.layout
+        if fixed is not None:
+            if b != fixed.batch:
+                fail("batch", f"the cache's batch size {fixed.batch} (reset it for a new batch)", b, CacheError)
+            if chunk.dtype != fixed.dtype:
+                fail("dtype", f"the cache's dtype {fixed.dtype}", chunk.dtype, CacheError)
+            if not same_device(chunk.device, fixed.device):
+                fail("device", f"the cache's device {fixed.device}", chunk.device, CacheError)
+            if (hkv, d) != (fixed.kv_heads, fixed.head_dim):
+                fail("k, v", f"Hkv={fixed.kv_heads} heads of D={fixed.head_dim}, as cached", chunk.shape, CacheError)
+        self._check(chunk)
+
+    def _between_passes(self, why: str) -> None:
+        if self.chunk is not None:
+            fail("cache", f"no pass in progress ({why})",
+                 f"a pass begun at position {self.chunk.start}", CacheError)
+
+    def _in_pass(self, what: str) -> Chunk:
+        if self.chunk is None:
+            fail("cache", f"a pass in progress (begin() before {what}())", "none", CacheError)
+        return self.chunk
+
+
+class PerLayerCache(KVCache):
+    """A cache that keeps each layer's keys and values as tensors `k[layer]`, `v[layer]` (None until written)."""
+
+    def __init__(self, n_layers: int) -> None:
+        super().__init__(n_layers)
+        self.k: list[torch.Tensor | None] = [None] * n_layers  # (B, Hkv, S, D) each
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+
+    def _buffers(self, layer: int, like: torch.Tensor, slots: int) -> None:
+        """Make `layer`'s zero buffers [B, Hkv, slots, D], in the dtype and on the device of `like`, once."""
+        if self.k[layer] is None:
+            b, hkv, _, d = like.shape
+            self.k[layer] = like.new_zeros(b, hkv, slots, d)
+            self.v[layer] = like.new_zeros(b, hkv, slots, d)
+
+    def length(self, layer: int = 0) -> int:
+        return 0 if self.k[layer] is None else self.k[layer].shape[2]
+
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k[layer], self.v[layer]
+
+    def reset(self) -> None:
+        super().reset()
+        self.k = [None] * self.n_layers
+        self.v = [None] * self.n_layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v if t is not None)
+
+
+class NoCache(KVCache):
+    """The full forward as a pass through a cache that keeps nothing: every pass starts at position 0."""
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v  # attend to the T new keys only
+
+    def _commit(self, chunk: Chunk) -> None:
+        pass  # nothing kept, so the next pass starts at position 0 again
+
+    def length(self, layer: int = 0) -> int:
+        return 0
+
+    def read(self, layer: int = 0) -> tuple[None, None]:
+        return None, None
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+def check_cache(cache: object, n_layers: int) -> None:
+    """Raise CacheError unless `cache` is a KVCache object for `n_layers` layers."""
+    if not isinstance(cache, KVCache):
+        fail("cache", "a KVCache object (labcode.caches; wrap (K, V) pairs in PairsCache)",
+             None if cache is None else type(cache).__name__, CacheError)
+    if cache.n_layers != n_layers:
+        fail("cache", f"a cache for {n_layers} layers", f"one for {cache.n_layers}", CacheError)

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import KVCache
+from labcode.caches.base import PerLayerCache
 
 
-class ConcatCache(KVCache):
+class ConcatCache(PerLayerCache):
     """Per-layer (K, V) grown with `torch.cat` on the token axis; `rows_copied` counts the cost."""
 
     def __init__(self, n_layers: int) -> None:
-        super().__init__(n_layers)
-        self.k: list[torch.Tensor | None] = [None] * n_layers  # (B, Hkv, S, D) each
-        self.v: list[torch.Tensor | None] = [None] * n_layers
+        super().__init__(n_layers)  # self.k, self.v: one (B, Hkv, S, D) tensor per layer, None until written
         self.rows_copied = 0  # token rows written into cache storage, summed over layers, K and V
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,24 +30,13 @@ class ConcatCache(KVCache):
         self.rows_copied += 2 * k.shape[2]
         return k, v
 
-    def length(self, layer: int = 0) -> int:
-        return 0 if self.k[layer] is None else self.k[layer].shape[2]
-
-    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]
-
     def fork(self) -> ConcatCache:
-        """An independent copy that shares tensors safely: cat never writes into them."""
+        """A copy that shares the tensors safely: `cat` never writes into them."""
+        self._between_passes("forks are made between passes")
         other = ConcatCache(self.n_layers)
         other.__dict__.update({key: list(val) if isinstance(val, list) else val for key, val in vars(self).items()})
         return other
 
     def reset(self) -> None:
         super().reset()
-        self.k = [None] * self.n_layers
-        self.v = [None] * self.n_layers
         self.rows_copied = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v if t is not None)

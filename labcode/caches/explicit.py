@@ -9,27 +9,31 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import KVCache, expect
+from labcode.caches.base import CacheError, KVCache, Layout
+from labcode.checks import fail
 
 
 def check_pairs(pairs, n_layers: int) -> list:
     """Validate `caches` (None, or n_layers pairs of K, V [B, Hkv, S, D], all alike); return a new list."""
     if pairs is None:
         return [None] * n_layers
-    expect(isinstance(pairs, (list, tuple)), "caches", f"None or a list of {n_layers} (K, V) pairs",
-           type(pairs).__name__)
+    if not isinstance(pairs, (list, tuple)):
+        fail("caches", f"None or a list of {n_layers} (K, V) pairs", type(pairs).__name__, CacheError)
     pairs = list(pairs)
-    expect(len(pairs) == n_layers, "caches", f"a list of {n_layers} (K, V) pairs, one per layer", len(pairs))
+    if len(pairs) != n_layers:
+        fail("caches", f"a list of {n_layers} (K, V) pairs, one per layer", len(pairs), CacheError)
     if all(p is None for p in pairs):
         return pairs
     for layer, p in enumerate(pairs):
-        ok = isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p)
-        expect(ok, f"caches[{layer}]", "a (K, V) pair of tensors", type(p).__name__)
-        expect(p[0].dim() == 4, f"caches[{layer}]", "tensors of rank 4 [B, Hkv, S, D]", tuple(p[0].shape))
+        if not (isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p)):
+            fail(f"caches[{layer}]", "a (K, V) pair of tensors", type(p).__name__, CacheError)
+        if p[0].dim() != 4:
+            fail(f"caches[{layer}]", "tensors of rank 4 [B, Hkv, S, D]", tuple(p[0].shape), CacheError)
         k0, k, v = pairs[0][0], p[0], p[1]
-        same = k.shape == v.shape == k0.shape and k.dtype == v.dtype == k0.dtype and k.device == v.device == k0.device
-        expect(same, f"caches[{layer}]", f"K and V of shape {tuple(k0.shape)}, {k0.dtype} on {k0.device}, "
-               "as in layer 0", (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype))
+        alike = k.shape == v.shape == k0.shape and k.dtype == v.dtype == k0.dtype and k.device == v.device == k0.device
+        if not alike:
+            fail(f"caches[{layer}]", f"K and V of shape {tuple(k0.shape)}, {k0.dtype} on {k0.device}, as in layer 0",
+                 (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype), CacheError)
     return pairs
 
 
@@ -42,8 +46,7 @@ class PairsCache(KVCache):
         if self.pairs[0] is not None:
             k0 = self.pairs[0][0]
             self.position = k0.shape[2]  # the position offset is the cached length
-            self.batch, self.kv_heads, _, self.head_dim = k0.shape
-            self.dtype, self.device = k0.dtype, k0.device
+            self.layout = Layout.of(k0)  # B, Hkv, D, dtype and device, as cached
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         old = self.pairs[layer]
@@ -56,9 +59,13 @@ class PairsCache(KVCache):
         pair = self.pairs[layer]
         return 0 if pair is None else pair[0].shape[2]
 
-    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         pair = self.pairs[layer]
         return (None, None) if pair is None else pair
+
+    def reset(self) -> None:
+        super().reset()
+        self.pairs = [None] * self.n_layers
 
     @property
     def nbytes(self) -> int:

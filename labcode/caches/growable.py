@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import expect, is_count
+from labcode.caches.base import CacheError
 from labcode.caches.prealloc import PreallocatedCache
+from labcode.checks import fail, is_int
 
 
 class GrowableCache(PreallocatedCache):
@@ -18,9 +19,11 @@ class GrowableCache(PreallocatedCache):
 
     def __init__(self, n_layers: int, capacity: int, policy: str = "linear", grow_by: int | None = None) -> None:
         super().__init__(n_layers, capacity)
-        expect(policy in ("linear", "double"), "policy", "'linear' or 'double'", repr(policy))
+        if policy not in ("linear", "double"):
+            fail("policy", "'linear' or 'double'", repr(policy), CacheError)
         grow_by = capacity if grow_by is None else grow_by  # candle: grow_by is the initial capacity
-        expect(is_count(grow_by) and grow_by > 0, "grow_by", "a positive number of slots", repr(grow_by))
+        if not (is_int(grow_by) and grow_by > 0):
+            fail("grow_by", "a positive number of slots", repr(grow_by), CacheError)
         self.policy, self.grow_by = policy, grow_by
         self.grow_count = 0  # buffer growths, summed over layers
         self.capacities = [capacity] * n_layers  # current slots per layer
@@ -39,12 +42,11 @@ class GrowableCache(PreallocatedCache):
             self.grow_count += 1
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ensure_buffers(layer, k)
-        n, t = self.ptr[layer], k.shape[2]
+        self._buffers(layer, k, self.capacity)
+        n, t = self.ptr, k.shape[2]
         if n + t > self.capacities[layer]:
             self._grow(layer, n + t)
         self._write(layer, k, v, n)
-        self.ptr[layer] = n + t
         return self.k[layer][:, :, : n + t], self.v[layer][:, :, : n + t]  # narrow views of the buffers
 
     def reset(self) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import KVCache, expect, snapshot
+from labcode.caches.base import CacheError, Chunk, KVCache, Layout, snapshot
+from labcode.checks import fail
 
 
 def append_to_module(attn, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,10 +25,9 @@ def append_to_module(attn, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tens
 
 
 def mask_rows(attn, t_new: int, context_length: int) -> torch.Tensor:
-    """Rows ptr..ptr+T, columns 0..ptr+T of one full [N, N] triangular mask; moves the pointer on by T."""
+    """Rows ptr..ptr+T, columns 0..ptr+T of one full [N, N] triangular mask, at this module's pointer."""
     ptr = attn.ptr_current_pos
     full = torch.ones(context_length, context_length, dtype=torch.bool, device=attn.cache_k.device).tril()
-    attn.ptr_current_pos = ptr + t_new
     return full[ptr : ptr + t_new, : ptr + t_new]  # (T, S+T)
 
 
@@ -43,14 +43,14 @@ def naive_state(model) -> dict:
 
 
 class ModuleStateCache(KVCache):
-    """A stateless view of the K/V state kept in `model.blocks[l].attn`; `forward(ids, use_cache=True)` uses it.
+    """The K/V state kept in `model.blocks[l].attn`, seen through the contract; `forward(ids, use_cache=True)` uses it.
 
-    Everything it reports (position, batch, dtype, device) is read from the model, so a
+    The view keeps nothing of its own: position and layout are read from the model, so a
     view made at any time agrees with every other view of the same model.
     """
 
-    def __init__(self, model) -> None:  # no super().__init__: this view holds no state of its own
-        self.n_layers = len(model.blocks)
+    def __init__(self, model) -> None:
+        super().__init__(len(model.blocks))
         self.model = model
         self.attns = [block.attn for block in model.blocks]
 
@@ -58,51 +58,51 @@ class ModuleStateCache(KVCache):
     def position(self) -> int:
         return self.model.current_pos
 
-    def _first(self, i: int) -> object:
-        k0 = self.attns[0].cache_k
-        return None if k0 is None else (*k0.shape, k0.dtype, k0.device)[i]
+    @property
+    def layout(self) -> Layout | None:
+        k = self.attns[0].cache_k
+        return None if k is None else Layout.of(k)
 
-    def _remember(self, k: torch.Tensor) -> None:
-        pass  # B, Hkv, D, dtype and device are read from the stored tensors
-
-    batch = property(lambda self: self._first(0))
-    kv_heads = property(lambda self: self._first(1))
-    head_dim = property(lambda self: self._first(3))
-    dtype = property(lambda self: self._first(4))
-    device = property(lambda self: self._first(5))
-
-    def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Also reject a model whose pointers, cached lengths and `current_pos` have drifted apart."""
-        super().check(batch, t_new, dtype, device)
+    def _check(self, chunk: Chunk) -> None:
+        """Also refuse a model whose pointers, cached lengths and `current_pos` have drifted apart."""
         pos = self.model.current_pos
         ptrs = [a.ptr_current_pos for a in self.attns]
-        expect(all(p == pos for p in ptrs), "ptr_current_pos",
-               f"every layer's pointer equal to the model's current_pos {pos}", ptrs)
+        if any(p != pos for p in ptrs):
+            fail("ptr_current_pos", f"every layer's pointer equal to the model's current_pos {pos}", ptrs, CacheError)
         lengths = [self.length(layer) for layer in range(self.n_layers)]
-        expect(all(n == pos for n in lengths), "cache_k", f"every layer holding current_pos={pos} keys", lengths)
+        if any(n != pos for n in lengths):
+            fail("cache_k", f"every layer holding current_pos={pos} keys", lengths, CacheError)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return append_to_module(self.attns[layer], k, v)
 
     def mask(self, layer: int, t_new: int) -> torch.Tensor:
-        """Rows of the full triangular mask at this layer's pointer (the upstream design), which moves on."""
+        """Rows of the full triangular mask at this layer's pointer (the upstream design)."""
+        self._in_pass("mask")
         return mask_rows(self.attns[layer], t_new, self.model.cfg.context_length)
 
-    def advance(self, t_new: int) -> None:
-        self.model.current_pos += t_new
+    def _commit(self, chunk: Chunk) -> None:
+        """The pointers and the counter move on together, by T."""
+        for attn in self.attns:
+            attn.ptr_current_pos += chunk.t_new
+        self.model.current_pos += chunk.t_new
 
     def length(self, layer: int = 0) -> int:
         k = self.attns[layer].cache_k
         return 0 if k is None else k.shape[2]
 
-    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.attns[layer].cache_k, self.attns[layer].cache_v
+
+    def fork(self) -> KVCache:
+        fail("fork", "a cache object (this state lives in the one model: a second copy cannot exist)",
+             "the naive cache", CacheError)
 
     def reset(self) -> None:
         self.model.reset_kv_cache()
 
     def state(self) -> dict:
-        return naive_state(self.model)
+        return {**naive_state(self.model), "chunk": snapshot(self.chunk)}
 
     @property
     def nbytes(self) -> int:

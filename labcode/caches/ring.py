@@ -8,63 +8,48 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import expect, is_count
-from labcode.caches.prealloc import PreallocatedCache
+from labcode.caches.base import CacheError, Chunk
+from labcode.caches.window import WindowCache
+from labcode.checks import fail, is_int
 from labcode.masks import positions_mask
 
 
-class RingCache(PreallocatedCache):
+class RingCache(WindowCache):
     """Keeps the latest `window` positions in a circular buffer; `slot_pos` records each slot's position."""
 
     def __init__(self, n_layers: int, window: int) -> None:
-        super().__init__(n_layers, window)
+        super().__init__(n_layers, window)  # ptr counts the slots filled
         self.slot_pos = torch.full((window,), -1, dtype=torch.long)  # (W,): -1 marks an empty slot
-        self.last_dropped = 0  # positions overwritten by the latest forward call
-        self.total_dropped = 0
 
-    @property
-    def window(self) -> int:
-        """W, the number of positions kept."""
-        return self.capacity
-
-    @property
-    def max_chunk(self) -> int:
-        return self.capacity
-
-    def _slots(self, t_new: int) -> torch.Tensor:
-        """Slots [T] of the next `t_new` positions: p % W."""
-        return torch.arange(self.position, self.position + t_new) % self.capacity
+    def _open(self, chunk: Chunk) -> None:
+        """Once per pass: the slots p % W of the new positions, the slot table after the pass, the mask."""
+        chunk.dropped = self.will_drop(chunk.t_new)  # the slots overwritten: as many as the window drops
+        chunk.past = self.ptr - chunk.dropped
+        query = torch.arange(chunk.start, chunk.start + chunk.t_new)  # (T,) positions of the new tokens
+        chunk.slots = query % self.capacity
+        chunk.plan = self.slot_pos.clone()
+        chunk.plan[chunk.slots] = query  # (W,): the position each slot holds once the pass is committed
+        chunk.mask = positions_mask(query, chunk.plan, self.capacity).to(chunk.device)  # (T, W)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ensure_buffers(layer, k)
-        t = k.shape[2]
-        slots = self._slots(t)
-        self.k[layer].index_copy_(2, slots.to(k.device), k)  # writes T rows; never moves the others
-        self.v[layer].index_copy_(2, slots.to(k.device), v)
-        self.rows_copied += 2 * t
-        self.ptr[layer] = min(self.capacity, self.ptr[layer] + t)  # slots filled
-        if layer == 0:
-            self.last_dropped = int((self.slot_pos[slots] >= 0).sum())
-            self.total_dropped += self.last_dropped
+        self._buffers(layer, k, self.capacity)
+        slots = self.chunk.slots.to(k.device)
+        self.k[layer].index_copy_(2, slots, k)  # writes T rows; never moves the others
+        self.v[layer].index_copy_(2, slots, v)
+        self.rows_copied += 2 * k.shape[2]
         return self.k[layer], self.v[layer]  # (B, Hkv, W, D): every slot, masked by position
 
-    def mask(self, layer: int, t_new: int) -> torch.Tensor:
-        query_pos = torch.arange(self.position, self.position + t_new)  # (T,)
-        slot_pos = self.slot_pos.clone()
-        slot_pos[self._slots(t_new)] = query_pos  # the positions the slots hold after this chunk's writes
-        return positions_mask(query_pos, slot_pos, self.capacity).to(self.k[layer].device)  # (T, W)
+    def _commit(self, chunk: Chunk) -> None:
+        super()._commit(chunk)
+        self.slot_pos = chunk.plan
 
-    def advance(self, t_new: int) -> None:
-        self.slot_pos[self._slots(t_new)] = torch.arange(self.position, self.position + t_new)
-        super().advance(t_new)
-
-    def read(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (None, None) if self.k[layer] is None else self.ordered(layer)
 
     def ordered(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored K, V [B, Hkv, n, D] in time order (oldest first): copies, gathered by position."""
-        expect(is_count(layer) and 0 <= layer < self.n_layers and self.k[layer] is not None, "layer",
-               f"a layer below {self.n_layers} that holds keys", layer)
+        if not (is_int(layer) and 0 <= layer < self.n_layers and self.k[layer] is not None):
+            fail("layer", f"a layer below {self.n_layers} that holds keys", layer, CacheError)
         order = torch.argsort(self.slot_pos)[int((self.slot_pos < 0).sum()):]  # empty slots sort first
         order = order.to(self.k[layer].device)
         return self.k[layer].index_select(2, order), self.v[layer].index_select(2, order)
@@ -72,4 +57,3 @@ class RingCache(PreallocatedCache):
     def reset(self) -> None:
         super().reset()
         self.slot_pos = torch.full((self.capacity,), -1, dtype=torch.long)
-        self.last_dropped = self.total_dropped = 0

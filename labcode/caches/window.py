@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from labcode.caches.base import Chunk
 from labcode.caches.prealloc import PreallocatedCache
 from labcode.masks import sliding_window_mask
 
@@ -23,11 +24,12 @@ def shift_left(buf: torch.Tensor, drop: int, n: int) -> None:
 
 
 class WindowCache(PreallocatedCache):
-    """Keeps the latest `window` positions per layer; `last_dropped` says how many the last call dropped."""
+    """Keeps the latest `window` positions per layer; `last_dropped` says how many the last pass dropped."""
 
     def __init__(self, n_layers: int, window: int) -> None:
         super().__init__(n_layers, window)
-        self.last_dropped = 0  # positions dropped by the latest forward call
+        self.max_chunk = window  # the largest chunk one pass accepts; longer prompts are prefilled in chunks
+        self.last_dropped = 0  # positions dropped by the latest pass
         self.total_dropped = 0  # positions dropped since the cache was new
 
     @property
@@ -35,38 +37,33 @@ class WindowCache(PreallocatedCache):
         """W, the number of positions kept."""
         return self.capacity
 
-    @property
-    def max_chunk(self) -> int:
-        """The largest chunk one call accepts; longer prompts are prefilled in chunks."""
-        return self.capacity
-
     def will_drop(self, t_new: int) -> int:
         """How many cached positions a chunk of `t_new` tokens would drop."""
-        return max(0, self.ptr[0] + t_new - self.capacity)
+        return max(0, self.ptr + t_new - self.capacity)
+
+    def _open(self, chunk: Chunk) -> None:
+        """Once per pass: how many rows to drop, and the mask over the rows kept (the window rule never
+        hides a kept row, since each is at most W - 1 positions behind every query: it documents the rule)."""
+        t = chunk.t_new
+        chunk.dropped = self.will_drop(t)
+        chunk.past = self.ptr - chunk.dropped
+        chunk.mask = None if t == 1 else sliding_window_mask(t, chunk.past, self.capacity, device=chunk.device)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ensure_buffers(layer, k)
-        t, n = k.shape[2], self.ptr[layer]
-        drop = max(0, n + t - self.capacity)
-        if drop:
-            shift_left(self.k[layer], drop, n)
-            shift_left(self.v[layer], drop, n)
-            self.rows_copied += 2 * (n - drop)
-            n -= drop
-        if layer == 0:
-            self.last_dropped = drop
-            self.total_dropped += drop
-        self._write(layer, k, v, n)
-        self.ptr[layer] = n + t
-        return self.k[layer].narrow(2, 0, n + t), self.v[layer].narrow(2, 0, n + t)  # views, no copy
+        chunk = self.chunk
+        self._buffers(layer, k, self.capacity)
+        if chunk.dropped:
+            shift_left(self.k[layer], chunk.dropped, self.ptr)
+            shift_left(self.v[layer], chunk.dropped, self.ptr)
+            self.rows_copied += 2 * chunk.past
+        self._write(layer, k, v, chunk.past)
+        n = chunk.past + chunk.t_new
+        return self.k[layer].narrow(2, 0, n), self.v[layer].narrow(2, 0, n)  # views, no copy
 
-    def mask(self, layer: int, t_new: int) -> torch.Tensor | None:
-        """The offset causal mask over the kept rows; the window rule never hides a kept row
-        (every kept key is at most W-1 positions behind each query), so it only documents the rule."""
-        s_total = self.length(layer)
-        if t_new == 1:
-            return None
-        return sliding_window_mask(t_new, s_total - t_new, self.capacity, device=self.device)
+    def _commit(self, chunk: Chunk) -> None:
+        super()._commit(chunk)
+        self.last_dropped = chunk.dropped
+        self.total_dropped += chunk.dropped
 
     def reset(self) -> None:
         super().reset()

@@ -4,13 +4,17 @@ Introduced in chapter 9. Row b of the batch writes its new tokens at its own off
 `lengths[b]`; chunks are padded on the right to one length T, and `plan` says how many
 tokens of each row are real. Padding is written but never counted: the next real token
 overwrites it, and no real query ever sees it. `crop` rolls a row back (speculative decoding).
+A pass without a plan gives every row all T of its tokens, as any batch does.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-from labcode.caches.base import KVCache, expect
+from labcode.caches.base import CacheError, Chunk, PerLayerCache
+from labcode.checks import fail, is_int
 
 
 def scattered_mask(lengths: list[int], t_new: int) -> torch.Tensor:
@@ -21,102 +25,117 @@ def scattered_mask(lengths: list[int], t_new: int) -> torch.Tensor:
     return visible.view(len(lengths), 1, 1, t_new, s)  # broadcasts over (Hkv, H/Hkv) in attention
 
 
-class ScatteredCache(KVCache):
+class ScatteredCache(PerLayerCache):
     """Buffers [B, Hkv, capacity, D] per layer and a length per row; masks are [B, 1, 1, T, S]."""
 
     def __init__(self, n_layers: int, batch: int, capacity: int) -> None:
-        super().__init__(n_layers)
-        expect(isinstance(batch, int) and batch > 0, "batch", "a positive int", batch)
-        expect(isinstance(capacity, int) and capacity > 0, "capacity", "a positive number of token slots", capacity)
+        super().__init__(n_layers)  # self.k, self.v: one (B, Hkv, capacity, D) buffer per layer, made on first use
+        if not (is_int(batch) and batch > 0):
+            fail("batch", "a positive int", batch, CacheError)
+        if not (is_int(capacity) and capacity > 0):
+            fail("capacity", "a positive number of token slots", capacity, CacheError)
         self.rows, self.capacity = batch, capacity
-        self.k: list[torch.Tensor | None] = [None] * n_layers
-        self.v: list[torch.Tensor | None] = [None] * n_layers
         self.lengths = [0] * batch  # real tokens held per row
-        self._n_new: list[int] | None = None
-        self._t: int | None = None
+        self.planned: tuple[list[int], int] | None = None  # the next pass's (real tokens per row, T)
 
     def plan(self, n_new: list[int], t_new: int | None = None) -> None:
         """Row b brings n_new[b] real tokens in the next pass, padded to `t_new` (default max(n_new))."""
-        expect(len(n_new) == self.rows and all(isinstance(n, int) and n >= 0 for n in n_new), "n_new",
-               f"{self.rows} ints >= 0, one per row", n_new)
+        if not (len(n_new) == self.rows and all(is_int(n) and n >= 0 for n in n_new)):
+            fail("n_new", f"{self.rows} ints >= 0, one per row", n_new, CacheError)
         t_new = max(n_new) if t_new is None else t_new
-        expect(isinstance(t_new, int) and t_new >= max(1, max(n_new)), "t_new", f"an int >= max(1, {max(n_new)})",
-               t_new)
-        self._n_new, self._t = list(n_new), t_new
+        if not (is_int(t_new) and t_new >= max(1, max(n_new))):
+            fail("t_new", f"an int >= max(1, {max(n_new)})", t_new, CacheError)
+        self.planned = (list(n_new), t_new)
 
-    def query_positions(self) -> torch.Tensor:
+    @contextmanager
+    def planned_pass(self, n_new: list[int], t_new: int | None = None):
+        """`plan` for the one pass run inside the `with` block; a refused pass leaves no plan behind."""
+        if self.planned is not None:
+            fail("plan", "no plan pending before planned_pass", self.planned, CacheError)
+        self.plan(n_new, t_new)
+        try:
+            yield self
+        finally:
+            self.planned = None  # used by the pass, or withdrawn because the pass was refused
+
+    def query_positions(self, n_new: list[int], t_new: int) -> torch.Tensor:
         """Positions [B, T]: row b's token i sits at lengths[b] + i; padding repeats the row's last position."""
-        expect(self._n_new is not None, "plan", "plan(n_new) before each forward pass", None)
-        i = torch.arange(self._t).unsqueeze(0)  # (1, T)
-        lengths, n_new = torch.tensor(self.lengths).unsqueeze(1), torch.tensor(self._n_new).unsqueeze(1)
-        last = (lengths + n_new - 1).clamp(min=0)  # (B, 1): the row's last real position
+        i = torch.arange(t_new).unsqueeze(0)  # (1, T)
+        lengths, n = torch.tensor(self.lengths).unsqueeze(1), torch.tensor(n_new).unsqueeze(1)
+        last = (lengths + n - 1).clamp(min=0)  # (B, 1): the row's last real position
         return torch.minimum(lengths + i, last)  # (B, T): padding never goes past a real position
 
-    def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().check(batch, t_new, dtype, device)
-        expect(batch == self.rows, "batch", f"the cache's {self.rows} rows", batch)
-        expect(self._n_new is not None and self._t == t_new, "plan", f"a plan for a chunk of {t_new} tokens",
-               self._t)
-        room = self.capacity - max(self.lengths)
-        expect(t_new <= room, "t_new", f"a chunk that fits the {room} free slots of the longest row", t_new)
+    def room(self) -> int:
+        """Positions every row can still take."""
+        return self.capacity - max(self.lengths)
+
+    def _check(self, chunk: Chunk) -> None:
+        b, t = chunk.shape[0], chunk.t_new
+        if b != self.rows:
+            fail("batch", f"the cache's {self.rows} rows", b, CacheError)
+        if self.planned is not None and self.planned[1] != t:
+            fail("plan", f"a plan for a chunk of {t} tokens", self.planned[1], CacheError)
+        if t > self.room():
+            fail("t_new", f"a chunk that fits the {self.room()} free slots of the longest row", t, CacheError)
+
+    def _open(self, chunk: Chunk) -> None:
+        """Once per pass: each row's real tokens, their positions, the slots they are written to, the masks."""
+        n_new = [chunk.t_new] * self.rows if self.planned is None else self.planned[0]
+        t = chunk.t_new
+        chunk.placed = self.query_positions(n_new, t)  # (B, T)
+        chunk.slots = torch.tensor(self.lengths).unsqueeze(1) + torch.arange(t)  # (B, T): row b writes at lengths[b]
+        chunk.mask = scattered_mask(self.lengths, t).to(chunk.device)  # (B, 1, 1, T, S): never a row's padding
+        chunk.plan = n_new
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, hkv, t, d = k.shape
-        if self.k[layer] is None:
-            self.k[layer] = k.new_zeros(b, hkv, self.capacity, d)
-            self.v[layer] = k.new_zeros(b, hkv, self.capacity, d)
-        slots = (torch.tensor(self.lengths).unsqueeze(1) + torch.arange(t)).to(k.device)  # (B, T)
-        index = slots.view(b, 1, t, 1).expand(b, hkv, t, d)
+        self._buffers(layer, k, self.capacity)
+        index = self.chunk.slots.to(k.device).view(b, 1, t, 1).expand(b, hkv, t, d)
         self.k[layer].scatter_(2, index, k)  # row b writes at its own offset
         self.v[layer].scatter_(2, index, v)
         s = max(self.lengths) + t
         return self.k[layer][:, :, :s], self.v[layer][:, :, :s]  # (B, Hkv, S, D)
 
-    def mask(self, layer: int, t_new: int) -> torch.Tensor:
-        """[B, 1, 1, T, S]: row b's query i sees slots 0..lengths[b] + i, so never its own padding."""
-        return scattered_mask(self.lengths, t_new).to(self.k[layer].device)
-
-    def advance(self, t_new: int) -> None:
-        self.lengths = [n + m for n, m in zip(self.lengths, self._n_new, strict=True)]
-        self._n_new = self._t = None
+    def _commit(self, chunk: Chunk) -> None:
+        super()._commit(chunk)
+        self.lengths = [n + m for n, m in zip(self.lengths, chunk.plan, strict=True)]
+        self.planned = None
         self.position = max(self.lengths)
 
     def crop(self, row: int, n_drop: int) -> None:
         """Forget the last `n_drop` tokens of `row`; they are overwritten by whatever comes next."""
-        expect(isinstance(row, int) and 0 <= row < self.rows, "row", f"an int in [0, {self.rows})", row)
-        expect(isinstance(n_drop, int) and 0 <= n_drop <= self.lengths[row], "n_drop",
-               f"an int in [0, {self.lengths[row]}]", n_drop)
+        if not (is_int(row) and 0 <= row < self.rows):
+            fail("row", f"an int in [0, {self.rows})", row, CacheError)
+        if not (is_int(n_drop) and 0 <= n_drop <= self.lengths[row]):
+            fail("n_drop", f"an int in [0, {self.lengths[row]}]", n_drop, CacheError)
         self.lengths[row] -= n_drop
         self.position = max(self.lengths)
 
     def length(self, layer: int = 0) -> int:
         return max(self.lengths)
 
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The first max(lengths) slots of every row (a row shorter than that ends in stale slots)."""
+        if self.k[layer] is None:
+            return None, None
+        n = max(self.lengths)
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+
     def reset(self) -> None:
         super().reset()
-        self.k = [None] * self.n_layers
-        self.v = [None] * self.n_layers
         self.lengths = [0] * self.rows
-        self._n_new = self._t = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v if t is not None)
+        self.planned = None
 
 
 def run_ragged(model, cache: ScatteredCache, chunks: list[list[int]]) -> list[torch.Tensor]:
     """One pass with a chunk of token ids per row (any lengths, empty allowed); returns each row's logits [n_b, V]."""
-    expect(len(chunks) == cache.rows, "chunks", f"{cache.rows} lists of token ids", len(chunks))
+    if len(chunks) != cache.rows:
+        fail("chunks", f"{cache.rows} lists of token ids", len(chunks), CacheError)
     n_new = [len(c) for c in chunks]
     t = max(1, max(n_new))
     ids = torch.zeros(cache.rows, t, dtype=torch.long, device=model.device)
     for row, chunk in enumerate(chunks):
         ids[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)  # right padding with token 0
-    saved = cache._n_new, cache._t
-    cache.plan(n_new, t)
-    try:
+    with cache.planned_pass(n_new, t):  # a refused pass leaves the cache exactly as it was
         logits = model(ids, cache)  # (B, T, V)
-    except Exception:
-        cache._n_new, cache._t = saved  # a rejected pass leaves the cache exactly as it was, plan included
-        raise
     return [logits[row, :n] for row, n in enumerate(n_new)]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import KVCache, expect
+from labcode.caches.base import CacheError, Chunk, PerLayerCache
+from labcode.checks import fail, is_int
 
 
 def find_slots(pos: torch.Tensor, head: int, t_new: int) -> torch.Tensor | None:
@@ -28,22 +29,27 @@ def cells_mask(pos: torch.Tensor, owners: torch.Tensor, seq_ids: torch.Tensor, p
     return same_seq & (pos.unsqueeze(0) <= positions.unsqueeze(1)) & (pos >= 0).unsqueeze(0)
 
 
-class CellsCache(KVCache):
-    """K/V cells [1, Hkv, n_cells, D] per layer, with `pos` [n_cells] and `owners` [n_cells, n_seqs] metadata."""
+class CellsCache(PerLayerCache):
+    """K/V cells [1, Hkv, n_cells, D] per layer, with `pos` [n_cells] and `owners` [n_cells, n_seqs] metadata.
 
-    def __init__(self, n_layers: int, n_cells: int, n_seqs: int = 4) -> None:
-        super().__init__(n_layers)
-        expect(isinstance(n_cells, int) and n_cells > 0, "n_cells", "a positive int", n_cells)
-        expect(isinstance(n_seqs, int) and n_seqs > 0, "n_seqs", "a positive int", n_seqs)
-        self.n_cells, self.n_seqs = n_cells, n_seqs
-        self.k: list[torch.Tensor | None] = [None] * n_layers
-        self.v: list[torch.Tensor | None] = [None] * n_layers
+    Each pass needs a plan (`plan(seq_ids)`): which sequence each of its tokens belongs to.
+    A cache made with `default_seq` runs passes without a plan as that one sequence, which is
+    how `prefill` and `generate` use it.
+    """
+
+    def __init__(self, n_layers: int, n_cells: int, n_seqs: int = 4, default_seq: int | None = None) -> None:
+        super().__init__(n_layers)  # self.k, self.v: one (1, Hkv, n_cells, D) buffer per layer, made on first use
+        if not (is_int(n_cells) and n_cells > 0):
+            fail("n_cells", "a positive int", n_cells, CacheError)
+        if not (is_int(n_seqs) and n_seqs > 0):
+            fail("n_seqs", "a positive int", n_seqs, CacheError)
+        if not (default_seq is None or (is_int(default_seq) and 0 <= default_seq < n_seqs)):
+            fail("default_seq", f"None or an int in [0, {n_seqs})", default_seq, CacheError)
+        self.n_cells, self.n_seqs, self.default_seq = n_cells, n_seqs, default_seq
         self.pos = torch.full((n_cells,), -1, dtype=torch.long)  # -1: empty cell
         self.owners = torch.zeros(n_cells, n_seqs, dtype=torch.bool)  # a bitset of sequences per cell
         self.head = 0  # the slot search starts here: just after the last cell written
-        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq ids [T], positions [T])
-        self._slots: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
+        self.planned: tuple[torch.Tensor, torch.Tensor] | None = None  # the next pass's (seq ids [T], positions [T])
 
     def seq_pos_max(self, seq: int) -> int:
         """Largest position sequence `seq` holds, or -1."""
@@ -51,12 +57,12 @@ class CellsCache(KVCache):
         return int(held.max()) if held.numel() else -1
 
     def plan(self, seq_ids: list[int], positions: list[int] | None = None) -> None:
-        """Say which sequence (and position) each of the next T tokens belongs to; changes no cell.
+        """Say which sequence (and position) each of the next pass's T tokens belongs to; changes no cell.
 
         Without `positions`, each sequence continues after the largest position it holds.
         """
-        expect(len(seq_ids) > 0 and all(isinstance(s, int) and 0 <= s < self.n_seqs for s in seq_ids),
-               "seq_ids", f"a non-empty list of ints in [0, {self.n_seqs})", seq_ids)
+        if not (len(seq_ids) > 0 and all(is_int(s) and 0 <= s < self.n_seqs for s in seq_ids)):
+            fail("seq_ids", f"a non-empty list of ints in [0, {self.n_seqs})", seq_ids, CacheError)
         start = {s: self.seq_pos_max(s) + 1 for s in set(seq_ids)}
         if positions is None:
             nxt, positions = dict(start), []
@@ -64,74 +70,76 @@ class CellsCache(KVCache):
                 positions.append(nxt[s])
                 nxt[s] += 1
         nxt = dict(start)
-        expect(len(positions) == len(seq_ids), "positions", f"{len(seq_ids)} positions, one per token", positions)
+        if len(positions) != len(seq_ids):
+            fail("positions", f"{len(seq_ids)} positions, one per token", positions, CacheError)
         for s, p in zip(seq_ids, positions, strict=True):
-            expect(isinstance(p, int) and p >= nxt[s], "positions",
-                   f"for sequence {s}, increasing positions after its last one ({nxt[s] - 1})", positions)
+            if not (is_int(p) and p >= nxt[s]):
+                fail("positions", f"for sequence {s}, increasing positions after its last one ({nxt[s] - 1})",
+                     positions, CacheError)
             nxt[s] = p + 1
-        self._plan = (torch.tensor(seq_ids), torch.tensor(positions))
+        self.planned = (torch.tensor(seq_ids), torch.tensor(positions))
 
-    def query_positions(self) -> torch.Tensor:
-        """Positions [T] of the planned tokens (the model reads them instead of counting)."""
-        expect(self._plan is not None, "plan", "plan(seq_ids) before each forward pass", None)
-        return self._plan[1]
+    def _pass_plan(self, t_new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The plan of a pass of `t_new` tokens: the one made with `plan`, else `default_seq` continuing."""
+        if self.planned is not None or self.default_seq is None:
+            return self.planned
+        first = self.seq_pos_max(self.default_seq) + 1
+        return torch.full((t_new,), self.default_seq), torch.arange(first, first + t_new)
 
     def find_slots(self, t_new: int) -> torch.Tensor | None:
         """Where the next `t_new` tokens would go (changes nothing)."""
         return find_slots(self.pos, self.head, t_new)
 
-    def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().check(batch, t_new, dtype, device)
-        expect(batch == 1, "batch", "1 (tokens of all sequences go side by side on the T axis)", batch)
-        expect(self._plan is not None and len(self._plan[0]) == t_new, "plan",
-               f"a plan for the {t_new} tokens of this pass", None if self._plan is None else len(self._plan[0]))
-        expect(self.find_slots(t_new) is not None, "t_new", f"at most {int((self.pos < 0).sum())} tokens "
-               f"(free cells)", t_new)
+    def room(self) -> int:
+        """Empty cells: each new token takes one."""
+        return int((self.pos < 0).sum())
+
+    def _check(self, chunk: Chunk) -> None:
+        b, _, t, _ = chunk.shape
+        if b != 1:
+            fail("batch", "1 (tokens of all sequences go side by side on the T axis)", b, CacheError)
+        plan = self._pass_plan(t)
+        if plan is None:
+            fail("plan", "plan(seq_ids) before each forward pass", None, CacheError)
+        if len(plan[0]) != t:
+            fail("plan", f"a plan for the {t} tokens of this pass", len(plan[0]), CacheError)
+        if self.room() < t:
+            fail("t_new", f"at most {self.room()} tokens (free cells)", t, CacheError)
+
+    def _open(self, chunk: Chunk) -> None:
+        """Once per pass: the cells the slot search finds, the metadata after the pass, and the mask."""
+        seq, qpos = self._pass_plan(chunk.t_new)
+        slots = self.find_slots(chunk.t_new)
+        pos, owners = self.pos.clone(), self.owners.clone()  # the metadata once the pass is committed
+        pos[slots], owners[slots] = qpos, False
+        owners[slots, seq] = True
+        n_kv = int(torch.nonzero(pos >= 0).max()) + 1  # attention reads every cell up to the last one in use
+        chunk.placed, chunk.slots, chunk.plan = qpos, slots, (pos, owners, n_kv)
+        chunk.mask = cells_mask(pos[:n_kv], owners[:n_kv], seq, qpos).to(chunk.device)  # (T, n_kv)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer == 0:
-            self._slots = self.find_slots(k.shape[2])
-            self._mask = None
-        if self.k[layer] is None:
-            self.k[layer] = k.new_zeros(1, k.shape[1], self.n_cells, k.shape[3])
-            self.v[layer] = k.new_zeros(1, k.shape[1], self.n_cells, k.shape[3])
-        slots = self._slots.to(k.device)
+        self._buffers(layer, k, self.n_cells)
+        slots, n_kv = self.chunk.slots.to(k.device), self.chunk.plan[2]
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
-        n_kv = self._n_kv()
         return self.k[layer][:, :, :n_kv], self.v[layer][:, :, :n_kv]  # only up to the last used cell
 
-    def _n_kv(self) -> int:
-        used = torch.cat((torch.nonzero(self.pos >= 0).flatten(), self._slots))
-        return int(used.max()) + 1
-
-    def mask(self, layer: int, t_new: int) -> torch.Tensor:
-        """[T, n_kv]: token i sees cell j iff j holds i's sequence at a position <= i's position."""
-        if self._mask is None:  # the same for every layer: build once per pass
-            seq, qpos = self._plan
-            pos, owners = self.pos.clone(), self.owners.clone()
-            pos[self._slots] = qpos
-            owners[self._slots] = False
-            owners[self._slots, seq] = True
-            n_kv = self._n_kv()
-            self._mask = cells_mask(pos[:n_kv], owners[:n_kv], seq, qpos)
-        return self._mask.to(self.k[layer].device)
-
-    def advance(self, t_new: int) -> None:
-        """Commit the planned metadata to the cells just written; the next search starts after them."""
-        seq, qpos = self._plan
-        self.pos[self._slots] = qpos
-        self.owners[self._slots] = False
-        self.owners[self._slots, seq] = True
-        self.head = (int(self._slots[-1]) + 1) % self.n_cells
-        self._plan = self._slots = self._mask = None
+    def _commit(self, chunk: Chunk) -> None:
+        """The planned metadata becomes the cells'; the next search starts after the cells just written."""
+        super()._commit(chunk)
+        self.pos, self.owners, _ = chunk.plan
+        self.head = (int(chunk.slots[-1]) + 1) % self.n_cells
+        self.planned = None
         self.position = int(self.pos.max()) + 1
 
     def _check_range(self, seq: int, p0: int, p1: int | None) -> int:
-        expect(isinstance(seq, int) and 0 <= seq < self.n_seqs, "seq", f"an int in [0, {self.n_seqs})", seq)
-        expect(isinstance(p0, int) and p0 >= 0, "p0", "an int >= 0", p0)
+        if not (is_int(seq) and 0 <= seq < self.n_seqs):
+            fail("seq", f"an int in [0, {self.n_seqs})", seq, CacheError)
+        if not (is_int(p0) and p0 >= 0):
+            fail("p0", "an int >= 0", p0, CacheError)
         p1 = max(p0, int(self.pos.max()) + 1) if p1 is None else p1
-        expect(isinstance(p1, int) and p1 >= p0, "p1", f"an int >= p0 = {p0}", p1)
+        if not (is_int(p1) and p1 >= p0):
+            fail("p1", f"an int >= p0 = {p0}", p1, CacheError)
         return p1
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int | None = None) -> None:
@@ -146,21 +154,23 @@ class CellsCache(KVCache):
         """Let `dst` own the cells of `src` at positions [p0, p1): a fork that copies no K/V."""
         p1 = self._check_range(src, p0, p1)
         self._check_range(dst, 0, None)
-        expect(self.seq_pos_max(dst) < 0, "dst", "a sequence that holds no cells", dst)
+        if self.seq_pos_max(dst) >= 0:
+            fail("dst", "a sequence that holds no cells", dst, CacheError)
         self.owners[self.owners[:, src] & (self.pos >= p0) & (self.pos < p1), dst] = True
 
     def length(self, layer: int = 0) -> int:
         return int((self.pos >= 0).sum())
 
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The keys and values of the used cells in order of position (one sequence: its keys in time order)."""
+        if self.k[layer] is None:
+            return None, None
+        order = torch.argsort(self.pos)[int((self.pos < 0).sum()):].to(self.k[layer].device)  # empty cells first
+        return self.k[layer].index_select(2, order), self.v[layer].index_select(2, order)
+
     def reset(self) -> None:
         super().reset()
-        self.k = [None] * self.n_layers
-        self.v = [None] * self.n_layers
-        self.pos.fill_(-1)
-        self.owners.fill_(False)
+        self.pos = torch.full((self.n_cells,), -1, dtype=torch.long)
+        self.owners = torch.zeros(self.n_cells, self.n_seqs, dtype=torch.bool)
         self.head = 0
-        self._plan = self._slots = self._mask = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v if t is not None)
+        self.planned = None

@@ -3,14 +3,15 @@
 Introduced in chapter 9. Sequences share blocks by reference count: `fork` copies a
 block table, not the blocks. A block that is about to be written while another
 sequence still reads it is copied first (copy-on-write). `free` returns blocks.
+A pass writes only into blocks nobody holds yet; it takes them from the pool when it ends.
 """
 
 from __future__ import annotations
 
 import torch
 
-from labcode.caches.base import KVCache, expect, snapshot
-from labcode.masks import causal_mask
+from labcode.caches.base import CacheError, Chunk, KVCache, snapshot
+from labcode.checks import fail, is_int
 
 
 def block_slots(table: list[int], start: int, t_new: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,24 +25,25 @@ class BlockPool:
 
     def __init__(self, n_layers: int, n_blocks: int, block_size: int) -> None:
         for name, val in (("n_layers", n_layers), ("n_blocks", n_blocks), ("block_size", block_size)):
-            expect(isinstance(val, int) and val > 0, name, "a positive int", val)
+            if not (is_int(val) and val > 0):
+                fail(name, "a positive int", val, CacheError)
         self.n_layers, self.n_blocks, self.block_size = n_layers, n_blocks, block_size
         self.k: list[torch.Tensor | None] = [None] * n_layers  # (n_blocks, Hkv, block_size, D) each
         self.v: list[torch.Tensor | None] = [None] * n_layers
         self.refcount = [0] * n_blocks
-        self.free_blocks = list(range(n_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self.free_blocks = list(range(n_blocks - 1, -1, -1))  # taken from the end: the lowest id first
         self.copies = 0  # blocks copied on write
 
     @property
     def n_free(self) -> int:
         return len(self.free_blocks)
 
-    def check_kv(self, k: torch.Tensor) -> None:
-        """Raise CacheError if k [1, Hkv, T, D] does not fit the storage already allocated."""
+    def check_kv(self, hkv: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise CacheError if keys of Hkv heads of D, in `dtype` on `device`, do not fit the storage already made."""
         if self.k[0] is not None:
             want = (self.k[0].shape[1], self.k[0].shape[3], self.k[0].dtype, self.k[0].device)
-            got = (k.shape[1], k.shape[3], k.dtype, k.device)
-            expect(want == got, "k", f"(Hkv, D, dtype, device) = {want} as in the pool", got)
+            if (hkv, d, dtype, device) != want:
+                fail("k", f"(Hkv, D, dtype, device) = {want} as in the pool", (hkv, d, dtype, device), CacheError)
 
     def ensure_storage(self, k: torch.Tensor) -> None:
         """Allocate every layer's blocks on first use, with the activations' dtype and device."""
@@ -51,12 +53,15 @@ class BlockPool:
                 self.k[layer] = k.new_zeros(self.n_blocks, hkv, self.block_size, d)
                 self.v[layer] = k.new_zeros(self.n_blocks, hkv, self.block_size, d)
 
-    def allocate(self) -> int:
-        """Take a free block; its reference count becomes 1."""
-        expect(self.n_free > 0, "pool", "a free block", "none left")
-        block = self.free_blocks.pop()
-        self.refcount[block] = 1
-        return block
+    def peek(self, n: int) -> list[int]:
+        """The n free blocks `take` would hand out next, without taking them."""
+        return self.free_blocks[::-1][:n]
+
+    def take(self, blocks: list[int]) -> None:
+        """Hand out these free blocks; each one's reference count becomes 1."""
+        for block in blocks:
+            self.free_blocks.remove(block)
+            self.refcount[block] = 1
 
     def incref(self, block: int) -> None:
         self.refcount[block] += 1
@@ -66,16 +71,6 @@ class BlockPool:
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
             self.free_blocks.append(block)
-
-    def copy_on_write(self, block: int) -> int:
-        """A private copy of a shared block (all layers); the caller's reference moves to the copy."""
-        new = self.allocate()
-        for layer in range(self.n_layers):
-            self.k[layer][new] = self.k[layer][block]
-            self.v[layer][new] = self.v[layer][block]
-        self.decref(block)
-        self.copies += 1
-        return new
 
     @property
     def nbytes(self) -> int:
@@ -90,79 +85,105 @@ class PagedCache(KVCache):
     """One sequence's view of a `BlockPool`: a block table maps token slot p to (table[p // bs], p % bs)."""
 
     def __init__(self, pool: BlockPool) -> None:
-        expect(isinstance(pool, BlockPool), "pool", "a BlockPool", type(pool).__name__)
+        if not isinstance(pool, BlockPool):
+            fail("pool", "a BlockPool", type(pool).__name__, CacheError)
         super().__init__(pool.n_layers)
         self.pool = pool
         self.table: list[int] = []
 
-    def _blocks_to_take(self, t_new: int) -> int:
-        """Blocks a chunk of `t_new` tokens needs from the free list: new ones, and copies of shared ones."""
+    def _blocks_to_take(self, n: int) -> int:
+        """Blocks the next n positions need from the free list: new ones, and copies of shared ones."""
+        if n == 0:
+            return 0
         bs = self.pool.block_size
-        first, last = self.position // bs, (self.position + t_new - 1) // bs
+        first, last = self.position // bs, (self.position + n - 1) // bs
         shared = sum(self.pool.refcount[b] > 1 for b in self.table[first : last + 1])
         return max(0, last + 1 - len(self.table)) + shared
 
-    def check(self, batch: int, t_new: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().check(batch, t_new, dtype, device)
-        expect(batch == 1, "batch", "1 (one sequence per PagedCache; fork for more)", batch)
-        need = self._blocks_to_take(t_new)
-        expect(need <= self.pool.n_free, "t_new", f"a chunk that fits the {self.pool.n_free} free blocks",
-               f"{t_new} tokens needing {need} blocks")
+    def room(self) -> int:
+        """Positions the pool can still take for this sequence: the rest of its last block (if not shared,
+        or if a copy of it fits) and every free block."""
+        bs, free = self.pool.block_size, self.pool.n_free
+        left = -self.position % bs  # free slots in the last block of the table
+        if left and self.pool.refcount[self.table[-1]] > 1:  # writing there needs a copy first
+            return 0 if free == 0 else left + (free - 1) * bs
+        return left + free * bs
 
-    def _prepare(self, t_new: int) -> None:
-        """Before the first write of a pass: copy shared blocks that will be written, add new blocks."""
-        bs = self.pool.block_size
-        for i in range(self.position // bs, (self.position + t_new - 1) // bs + 1):
-            if i < len(self.table):
-                if self.pool.refcount[self.table[i]] > 1:
-                    self.table[i] = self.pool.copy_on_write(self.table[i])
-            else:
-                self.table.append(self.pool.allocate())
+    def _check(self, chunk: Chunk) -> None:
+        b, hkv, t, d = chunk.shape
+        if b != 1:
+            fail("batch", "1 (one sequence per PagedCache; fork for more)", b, CacheError)
+        self.pool.check_kv(hkv, d, chunk.dtype, chunk.device)
+        need = self._blocks_to_take(t)
+        if need > self.pool.n_free:
+            fail("t_new", f"a chunk that fits the {self.pool.n_free} free blocks", f"{t} tokens needing {need} blocks",
+                 CacheError)
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(k, torch.Tensor) and k.dim() == 4:  # what only the pool knows, checked before any change
-            expect(k.shape[0] == 1, "batch", "1 (one sequence per PagedCache; fork for more)", k.shape[0])
-            self.pool.check_kv(k)
-        return super().append(layer, k, v)
+    def _open(self, chunk: Chunk) -> None:
+        """The table after this pass: shared blocks it writes become copies, new blocks follow; all from the pool's
+        free list, taken only when the pass ends."""
+        super()._open(chunk)  # the new keys follow the cached ones, under the offset causal mask
+        bs, t = self.pool.block_size, chunk.t_new
+        fresh = iter(self.pool.peek(self._blocks_to_take(t)))
+        table, copied = list(self.table), []  # copied: (index in the table, the shared block it replaces)
+        for i in range(self.position // bs, (self.position + t - 1) // bs + 1):
+            if i == len(table):
+                table.append(next(fresh))
+            elif self.pool.refcount[table[i]] > 1:
+                copied.append((i, table[i]))
+                table[i] = next(fresh)
+        chunk.plan = (table, copied)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t, bs = k.shape[2], self.pool.block_size
-        if layer == 0:
-            self.pool.ensure_storage(k)
-            self._prepare(t)
-        blocks, offsets = (x.to(k.device) for x in block_slots(self.table, self.position, t, bs))
-        self.pool.k[layer][blocks, :, offsets] = k[0].transpose(0, 1)  # (T, Hkv, D) into T slots
-        self.pool.v[layer][blocks, :, offsets] = v[0].transpose(0, 1)
-        return self.gather(layer, self.position + t)
+        table, copied = self.chunk.plan
+        self.pool.ensure_storage(k)
+        store_k, store_v = self.pool.k[layer], self.pool.v[layer]
+        for i, old in copied:  # copy-on-write: this layer's rows of the shared block, into the private copy
+            store_k[table[i]], store_v[table[i]] = store_k[old], store_v[old]
+        blocks, offsets = (x.to(k.device) for x in block_slots(table, self.position, k.shape[2], self.pool.block_size))
+        store_k[blocks, :, offsets] = k[0].transpose(0, 1)  # (T, Hkv, D) into T slots
+        store_v[blocks, :, offsets] = v[0].transpose(0, 1)
+        return self.gather(layer, self.position + k.shape[2], table)
 
-    def gather(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _commit(self, chunk: Chunk) -> None:
+        table, copied = chunk.plan
+        self.pool.take([b for b in table if b not in self.table])
+        for _, old in copied:
+            self.pool.decref(old)
+        self.pool.copies += len(copied)
+        self.table = table
+        super()._commit(chunk)
+
+    def gather(self, layer: int, n: int, table: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n keys and values [1, Hkv, n, D], read through the block table (a copy)."""
-        table = torch.tensor(self.table[: -(-n // self.pool.block_size)], device=self.pool.k[layer].device)
+        table = self.table if table is None else table
+        index = torch.tensor(table[: -(-n // self.pool.block_size)], device=self.pool.k[layer].device)
         out = []
         for store in (self.pool.k[layer], self.pool.v[layer]):
-            blocks = store[table]  # (nb, Hkv, bs, D)
+            blocks = store[index]  # (nb, Hkv, bs, D)
             out.append(blocks.transpose(0, 1).reshape(1, blocks.shape[1], -1, blocks.shape[3])[:, :, :n])
         return out[0], out[1]
-
-    def mask(self, layer: int, t_new: int) -> torch.Tensor | None:
-        return None if t_new == 1 else causal_mask(t_new, self.position, device=self.pool.k[layer].device)
 
     def length(self, layer: int = 0) -> int:
         return self.position
 
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (None, None) if self.position == 0 else self.gather(layer, self.position)
+
     def fork(self) -> PagedCache:
         """A second sequence that continues from here: the block table is copied, the blocks are shared."""
+        self._between_passes("forks are made between passes")
         other = PagedCache(self.pool)
         other.table = list(self.table)
         for block in self.table:
             self.pool.incref(block)
-        other.position, other.batch, other.dtype, other.device = self.position, self.batch, self.dtype, self.device
+        other.position, other.layout = self.position, self.layout
         return other
 
     def crop(self, n_drop: int) -> None:
         """Forget the last `n_drop` positions (a rejected speculative draft); unneeded blocks are released."""
-        expect(isinstance(n_drop, int) and 0 <= n_drop <= self.position, "n_drop",
-               f"an int in [0, {self.position}]", n_drop)
+        if not (is_int(n_drop) and 0 <= n_drop <= self.position):
+            fail("n_drop", f"an int in [0, {self.position}]", n_drop, CacheError)
         self.position -= n_drop
         keep = -(-self.position // self.pool.block_size)
         for block in self.table[keep:]:

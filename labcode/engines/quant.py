@@ -13,31 +13,33 @@ import copy
 
 import torch
 
-from labcode.caches.base import KVCache, expect
+from labcode.caches.base import CacheError, Chunk, KVCache
+from labcode.checks import fail, is_int
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard matrix [n, n] (Sylvester's construction); n must be a power of two."""
-    expect(isinstance(n, int) and n > 0 and n & (n - 1) == 0, "n", "a power of two", n)
+    if not (is_int(n) and n > 0 and n & (n - 1) == 0):
+        fail("n", "a power of two", n, CacheError)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)), dim=0)  # [[H, H], [H, -H]]
     return (h / n**0.5).to(dtype=dtype, device=device)
 
 
-def check_format(x: torch.Tensor, bits: int, group_size: int | None) -> int:
-    """Raise CacheError unless `bits` is in [2, 8] and `group_size` divides D = x.shape[-1]; return the group size."""
-    expect(isinstance(bits, int) and 2 <= bits <= 8, "bits", "an int in [2, 8]", bits)
-    d = x.shape[-1]
+def check_format(d: int, bits: int, group_size: int | None) -> int:
+    """Raise CacheError unless `bits` is in [2, 8] and `group_size` divides the head dim D; return the group size."""
+    if not (is_int(bits) and 2 <= bits <= 8):
+        fail("bits", "an int in [2, 8]", bits, CacheError)
     g = d if group_size is None else group_size
-    expect(isinstance(g, int) and g > 0 and d % g == 0, "group_size", f"None or a positive divisor of D={d}",
-           group_size)
+    if not (is_int(g) and g > 0 and d % g == 0):
+        fail("group_size", f"None or a positive divisor of D={d}", group_size, CacheError)
     return g
 
 
 def quantize(x: torch.Tensor, bits: int = 8, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (codes int8 [..., D], scales float32 [..., D / group_size]); one group = one token by default."""
-    g = check_format(x, bits, group_size)
+    g = check_format(x.shape[-1], bits, group_size)
     qmax = 2 ** (bits - 1) - 1
     groups = x.reshape(*x.shape[:-1], x.shape[-1] // g, g).to(torch.float32)  # (..., D/g, g)
     scales = groups.abs().amax(dim=-1) / qmax  # (..., D/g)
@@ -67,9 +69,10 @@ class QuantizedCache(KVCache):
 
     def __init__(self, n_layers: int, bits: int = 8, group_size: int | None = None, rotate: bool = False) -> None:
         super().__init__(n_layers)
-        expect(isinstance(bits, int) and 2 <= bits <= 8, "bits", "an int in [2, 8]", bits)
-        expect(group_size is None or (isinstance(group_size, int) and group_size > 0), "group_size",
-               "None or a positive int", group_size)
+        if not (is_int(bits) and 2 <= bits <= 8):
+            fail("bits", "an int in [2, 8]", bits, CacheError)
+        if not (group_size is None or (is_int(group_size) and group_size > 0)):
+            fail("group_size", "None or a positive int", group_size, CacheError)
         self.bits, self.group_size, self.rotate = bits, group_size, rotate
         self.codes: list[list[torch.Tensor] | None] = [None] * n_layers  # [k_codes, k_scales, v_codes, v_scales]
 
@@ -77,27 +80,33 @@ class QuantizedCache(KVCache):
         y = x @ hadamard(x.shape[-1], x.dtype, x.device) if self.rotate else x
         return quantize(y, self.bits, self.group_size)
 
-    def _decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        y = dequantize(codes, scales, self.dtype)
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = dequantize(codes, scales, dtype)
         return y @ hadamard(y.shape[-1], y.dtype, y.device).T if self.rotate else y
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(k, torch.Tensor) and k.dim() == 4:  # the format needs D: checked before any change
-            d = k.shape[-1]
-            expect(not self.rotate or d & (d - 1) == 0, "k", "a head dim that is a power of two (for the rotation)",
-                   d)
-            check_format(k, self.bits, self.group_size)
-        return super().append(layer, k, v)
+    def _check(self, chunk: Chunk) -> None:
+        """The format needs the head dim D: checked once per pass, before any change."""
+        d = chunk.shape[3]
+        if self.rotate and d & (d - 1):
+            fail("k", "a head dim that is a power of two (for the rotation)", d, CacheError)
+        check_format(d, self.bits, self.group_size)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new = [*self._encode(k), *self._encode(v)]
         old = self.codes[layer]
         self.codes[layer] = new if old is None else [torch.cat((a, b), dim=2) for a, b in zip(old, new, strict=True)]
+        return self._read(layer, k.dtype)  # (B, Hkv, S, D): every step dequantises all S
+
+    def _read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kc, ks, vc, vs = self.codes[layer]
-        return self._decode(kc, ks), self._decode(vc, vs)  # (B, Hkv, S, D): every step dequantises all S
+        return self._decode(kc, ks, dtype), self._decode(vc, vs, dtype)
 
     def length(self, layer: int = 0) -> int:
         return 0 if self.codes[layer] is None else self.codes[layer][0].shape[2]
+
+    def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What attention reads: the dequantised K, V [B, Hkv, S, D] (not the values first appended)."""
+        return (None, None) if self.codes[layer] is None else self._read(layer, self.layout.dtype)
 
     def reset(self) -> None:
         super().reset()
@@ -114,10 +123,13 @@ def with_key_outliers(model, factor: float, channel: int = 0):
     Key channel c is multiplied by `factor` and query channel c divided by it, so every
     score q.k, hence every logit, is unchanged up to rounding; only the cached keys differ.
     """
-    expect(not model.cfg.rotary, "model", "learned positions (rotary mixes channel pairs)", "rotary=True")
-    expect(factor != 0, "factor", "a non-zero number", factor)
+    if model.cfg.rotary:
+        fail("model", "learned positions (rotary mixes channel pairs)", "rotary=True", CacheError)
+    if factor == 0:
+        fail("factor", "a non-zero number", factor, CacheError)
     d, h, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
-    expect(isinstance(channel, int) and 0 <= channel < d, "channel", f"an int in [0, {d})", channel)
+    if not (is_int(channel) and 0 <= channel < d):
+        fail("channel", f"an int in [0, {d})", channel, CacheError)
     out = copy.deepcopy(model)
     with torch.no_grad():
         for block in out.blocks:
