@@ -28,6 +28,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# No test downloads anything, and none sees a Hugging Face cache the developer may have: chapter 1's
+# optional GPT-2 cell then skips itself on every machine (the notebooks' kernels inherit this).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = str(ROOT / "_build" / "empty-hf-home")
 BOOK_OUT = ROOT / "_build" / "test-book"
 EXECUTED = ROOT / "_build" / "test-executed"  # notebooks as nbval executed them in this session
 STAGE = ROOT / "_build" / "test-source"  # the book's sources, with those executions in place
@@ -92,6 +96,32 @@ def pytest_collection_modifyitems(session, config, items):
     if CAPTURE:
         shutil.rmtree(EXECUTED, ignore_errors=True)
     _runs.clear()
+    if CAPTURE and any(i.name == PORTABILITY_TEST for i in items):
+        from test_portability import launch  # the second pass starts now and runs beside this one
+
+        _portability.append(launch())
+
+
+PORTABILITY_TEST = "test_notebooks_and_results_hold_under_other_kernels_and_threads"
+_portability: list = []  # the background portability pass, when this session runs its test
+
+
+@pytest.fixture(scope="session")
+def portability_pass():
+    """The portability pass started at collection (tests/test_portability.py)."""
+    if not _portability:
+        from test_portability import launch
+
+        _portability.append(launch())
+    return _portability[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Never leave the background pass running (an interrupted session, or its test deselected)."""
+    for run in _portability:
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait()
 
 
 SESSION_START = time.time()

@@ -1,10 +1,12 @@
-"""Drift checks for the teaching copies in notebooks/03_naive_cache.ipynb (see tests/test_drift.py)."""
+"""Drift checks for the teaching copies and the from-scratch naive cache in notebooks/03_naive_cache.ipynb
+(see tests/test_drift.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 import labcode.caches.naive as naive
 from labcode import GPT, GPTConfig
@@ -66,7 +68,94 @@ def check_mask_rows(ns: dict) -> None:
     assert all(torch.equal(x, y) for x, y in zip(out_a, out_b, strict=True)) and states_equal(state_a, state_b)
 
 
+class _Scratch:
+    """The from-scratch GPT's forward(ids, use_cache) and reset_kv_cache around `model`'s embeddings and
+    final norm, with the given blocks (from the notebook, or built around its attention modules)."""
+
+    def __init__(self, model: GPT, blocks: list) -> None:
+        self.model, self.blocks, self.current_pos = model, blocks, 0
+
+    def __call__(self, ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        t = ids.shape[1]
+        start = self.current_pos if use_cache else 0
+        if use_cache:
+            self.current_pos += t
+        x = self.model.tok_emb(ids) + self.model.pos_emb(torch.arange(start, start + t))
+        for block in self.blocks:
+            x = block(x, use_cache)
+        return F.linear(self.model.ln_f(x), self.model.tok_emb.weight)
+
+    def reset_kv_cache(self) -> None:
+        for block in self.blocks:
+            block.attn.reset_cache()
+        self.current_pos = 0
+
+
+class _AroundAttention:
+    """A labcode block's norms and MLP around a from-scratch attention module."""
+
+    def __init__(self, block, attn) -> None:
+        self.block, self.attn = block, attn
+
+    def __call__(self, x: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.block.ln_1(x), use_cache)
+        return x + self.block.mlp(self.block.ln_2(x))
+
+
+def _compare_with_use_cache(ours, model: GPT) -> None:
+    """`ours` (a from-scratch model, or a driver around from-scratch parts) computes what `model` computes with
+    use_cache=True, bit for bit, with the same naive state after every call; without the switch it runs the
+    full pass and leaves the state alone; `reset_kv_cache` clears what the course's reset clears."""
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for request in range(2):  # a second request after a reset starts from nothing again
+            ours.reset_kv_cache()
+            model.reset_kv_cache()
+            assert states_equal(naive.naive_state(ours), naive.naive_state(model))
+            for s, t in SCHEDULE:
+                assert torch.equal(ours(ids[:, s : s + t], use_cache=True), model(ids[:, s : s + t], use_cache=True))
+                assert states_equal(naive.naive_state(ours), naive.naive_state(model)), (request, s, t)
+            kept = naive.naive_state(ours)
+            assert torch.equal(ours(ids[:, :7]), model(ids[:, :7]))
+            assert states_equal(kept, naive.naive_state(ours))
+
+
+def _course_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG).double().eval()
+
+
+def check_scratch_attention(ns: dict) -> None:
+    """The notebook's NaiveAttention, one per layer around labcode's blocks, is the course's use_cache=True."""
+    model = _course_model()
+    attns = [ns["NaiveAttention"](CFG).double() for _ in model.blocks]
+    for attn, block in zip(attns, model.blocks, strict=True):
+        attn.load_state_dict(block.attn.state_dict())
+    blocks = [_AroundAttention(b, a) for b, a in zip(model.blocks, attns, strict=True)]
+    _compare_with_use_cache(_Scratch(model, blocks), model)
+
+
+def check_scratch_block(ns: dict) -> None:
+    """The notebook's NaiveBlock, with labcode's embeddings and head around it, is the course's use_cache=True."""
+    model = _course_model()
+    blocks = [ns["NaiveBlock"](CFG).double() for _ in model.blocks]
+    for ours, theirs in zip(blocks, model.blocks, strict=True):
+        ours.load_state_dict(theirs.state_dict())
+    _compare_with_use_cache(_Scratch(model, blocks), model)
+
+
+def check_scratch_gpt(ns: dict) -> None:
+    """The notebook's NaiveGPT, loaded with the course model's weights, is the course's use_cache=True."""
+    model = _course_model()
+    ours = ns["NaiveGPT"](CFG).double().eval()
+    ours.load_state_dict(model.state_dict())
+    _compare_with_use_cache(ours, model)
+
+
 CHECKS = {
     "labcode/caches/naive.py::append_to_module": check_append_to_module,
     "labcode/caches/naive.py::mask_rows": check_mask_rows,
+    "labcode/model.py::CausalSelfAttention (use_cache=True)": check_scratch_attention,
+    "labcode/model.py::Block (use_cache=True)": check_scratch_block,
+    "labcode/model.py::GPT (use_cache=True)": check_scratch_gpt,
 }

@@ -1,13 +1,16 @@
-"""Drift checks for the teaching copies in notebooks/04_explicit_pass_cache.ipynb (see tests/test_drift.py)."""
+"""Drift checks for the teaching copies and the from-scratch explicit pass in notebooks/04_explicit_pass_cache.ipynb
+(see tests/test_drift.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import labcode.caches as lab
 from labcode import GPT, GPTConfig
 from labcode.caches.base import CacheError, snapshot, states_equal
+from labcode.display import max_diff
 
 CFG = GPTConfig(vocab_size=11, context_length=16, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
 SCHEDULE = [(0, 5), (5, 1), (6, 3), (9, 1)]
@@ -61,7 +64,56 @@ def check_concat_cache(ns: dict) -> None:
     assert states_equal(ours.state(), theirs.state()) and ours.read(1) == (None, None)
 
 
+def _compare_with_return_cache(forward) -> None:
+    """`forward(model, ids, caches)` computes what `model(ids, caches, return_cache=True)` computes, bit for bit:
+    the same logits and the same pairs, from None and from every list it returned; the list it is given is never
+    written; two continuations of one list are independent."""
+    model, ids = _model()
+    ours = theirs = None
+    with torch.no_grad():
+        for s, t in SCHEDULE:
+            kept = snapshot(ours)
+            out_a, new_a = forward(model, ids[:, s : s + t], ours)
+            out_b, theirs = model(ids[:, s : s + t], theirs, return_cache=True)
+            assert torch.equal(out_a, out_b) and states_equal(new_a, theirs), (s, t)
+            assert states_equal(kept, ours)
+            ours = new_a
+        kept = snapshot(ours)
+        fork_a, _ = forward(model, ids[:, 10:12], ours)  # two continuations of one list
+        fork_b, _ = forward(model, ids[:, 12:14], ours)
+        full_a = model(ids[:, :12])[:, 10:]
+        full_b = model(torch.cat((ids[:, :10], ids[:, 12:14]), 1))[:, 10:]
+        assert max_diff(fork_a, full_a) <= 1e-12 and max_diff(fork_b, full_b) <= 1e-12
+        assert states_equal(kept, ours)
+
+
+def check_scratch_explicit_attention(ns: dict) -> None:
+    """The notebook's explicit_attention, threaded through labcode's blocks, is the course's return_cache=True."""
+    attention = ns["explicit_attention"]
+
+    def forward(model, ids, caches):
+        t = ids.shape[1]
+        start = 0 if caches is None else caches[0][0].shape[2]
+        x = model.tok_emb(ids) + model.pos_emb(torch.arange(start, start + t))
+        new = []
+        for block, past in zip(model.blocks, caches or [None] * len(model.blocks), strict=True):
+            y, kv = attention(block.attn, block.ln_1(x), past)
+            x = x + y
+            x = x + block.mlp(block.ln_2(x))
+            new.append(kv)
+        return F.linear(model.ln_f(x), model.tok_emb.weight), new
+
+    _compare_with_return_cache(forward)
+
+
+def check_scratch_explicit_forward(ns: dict) -> None:
+    """The notebook's explicit_forward is the course's forward(ids, caches, return_cache=True)."""
+    _compare_with_return_cache(ns["explicit_forward"])
+
+
 CHECKS = {
+    "labcode/model.py::CausalSelfAttention (return_cache=True)": check_scratch_explicit_attention,
+    "labcode/model.py::GPT (return_cache=True)": check_scratch_explicit_forward,
     "labcode/caches/explicit.py::PairsCache": check_pairs_cache,
     "labcode/caches/concat.py::ConcatCache": check_concat_cache,
 }

@@ -29,6 +29,17 @@ def check_block_slots(ns: dict) -> None:
                 assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (bs, start, t)
 
 
+def check_block_hashes(ns: dict) -> None:
+    """The same hashes for random token lists and every block size, and the same errors."""
+    ours, theirs = ns["block_hashes"], labcode.engines.block_hashes
+    g = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        ids = torch.randint(0, 64, (int(torch.randint(0, 20, (1,), generator=g)),), generator=g).tolist()
+        for bs in (1, 2, 3, 4, 7):
+            assert ours(ids, bs) == theirs(ids, bs), (ids, bs)
+    _same_errors(ours, theirs, [([1, 2], 0), ([1, 2], -1), ([1, 2.5], 2), ("ab", 2)])
+
+
 def check_find_slots(ns: dict) -> None:
     """The same cells (or None) for random occupancy, every head and every request size."""
     ours, theirs = ns["find_slots"], labcode.engines.find_slots
@@ -88,6 +99,7 @@ def check_hadamard(ns: dict) -> None:
 
 CHECKS = {
     "labcode/engines/paged.py::block_slots": check_block_slots,
+    "labcode/engines/paged.py::block_hashes": check_block_hashes,
     "labcode/engines/cells.py::find_slots": check_find_slots,
     "labcode/engines/cells.py::cells_mask": check_cells_mask,
     "labcode/engines/batch.py::scattered_mask": check_scattered_mask,

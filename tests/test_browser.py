@@ -31,9 +31,16 @@ class Watch:
         self.offsite: list[str] = []
         page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
-        page.on("requestfailed", lambda r: self.failed.append(f"{r.url} ({r.failure})"))
+        page.on("requestfailed", self._failed)
         page.on("response", lambda r: r.status >= 400 and self.failed.append(f"{r.url} (HTTP {r.status})"))
         page.on("request", self._request)
+
+    def _failed(self, request):
+        # A navigation (reload, Back, a new address) cancels the requests of the page it leaves,
+        # such as a favicon still loading: the browser reports those as aborted, not as failures.
+        if request.failure == "net::ERR_ABORTED" and request.resource_type in ("image", "other"):
+            return
+        self.failed.append(f"{request.url} ({request.failure})")
 
     def _request(self, request):
         parts = urlsplit(request.url)

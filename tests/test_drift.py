@@ -1,10 +1,14 @@
 """Teaching copies in the notebooks must keep matching their labcode originals.
 
 A teaching copy is a code cell whose first line is
-`# teaching copy of labcode/<module>.py::<Name>`. For each one, this test executes the
-notebook's setup cell and its teaching copies (in notebook order, up to and including
-that copy) in a fresh namespace, then runs the checker registered for `<module>.py::<Name>`
-in one of the `tests/drift_checks_*.py` modules (a dict `CHECKS`).
+`# teaching copy of labcode/<module>.py::<Name>`. A from-scratch version, code written the way
+the from-scratch books write it that must compute what a labcode object computes in one mode,
+is a code cell whose first line is
+`# from-scratch version of labcode/<module>.py::<Name> (<mode>)`, e.g. `(use_cache=True)`.
+For each one, this test executes the notebook's setup cell and its marked cells (in notebook
+order, up to and including that one) in a fresh namespace, then runs the checker registered
+for `labcode/<module>.py::<Name>` (with ` (<mode>)` for a from-scratch version) in one of the
+`tests/drift_checks_*.py` modules (a dict `CHECKS`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-MARK = re.compile(r"^# teaching copy of (labcode/[\w/]+\.py::\w+)\s*$")
+MARK = re.compile(
+    r"^# (?:teaching copy of (labcode/[\w/]+\.py::\w+)"
+    r"|from-scratch version of (labcode/[\w/]+\.py::\w+ \([\w=, ]+\)))\s*$"
+)
 
 
 def _code_cells(path: Path) -> list[str]:
@@ -32,7 +39,7 @@ def teaching_copies() -> list[tuple[Path, str, int]]:
         for i, src in enumerate(_code_cells(path)):
             m = MARK.match(src.splitlines()[0]) if src.strip() else None
             if m:
-                found.append((path, m.group(1), i))
+                found.append((path, m.group(1) or m.group(2), i))
     return found
 
 

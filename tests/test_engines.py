@@ -17,6 +17,7 @@ from labcode.engines import (
     PagedCache,
     QuantizedCache,
     ScatteredCache,
+    block_hashes,
     block_slots,
     cells_mask,
     dequantize,
@@ -138,6 +139,70 @@ def test_paged_crop_equals_never_having_generated(n, drop, block, more, seed):
     assert (got - full_logits(model, seq[: n - drop] + tail)[n - drop :]).abs().max().item() <= TOL
 
 
+def test_block_hashes_chain_full_blocks_only():
+    a, b = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 9, 9, 9]
+    ha, hb = block_hashes(a, 2), block_hashes(b, 2)
+    assert len(ha) == 3 and len(hb) == 4  # a partly filled last block has no hash
+    assert ha[:2] == hb[:2] and ha[2] != hb[2]  # equal exactly as far as the full blocks agree
+    assert block_hashes([9, 9, 3, 4], 2)[1] != ha[1]  # block 1's hash covers the blocks before it
+    assert block_hashes(a, 2) == ha  # the same tokens give the same hashes every time
+    with pytest.raises(CacheError, match=r"block_size: expected a positive int, got 0"):
+        block_hashes(a, 0)
+
+
+def test_prefix_cache_finds_freed_full_blocks_and_computes_only_the_rest():
+    model = MODELS[False]
+    pool = BlockPool(CFG.n_layers, n_blocks=12, block_size=4)
+    first = PagedCache(pool)
+    seq = tokens(14, 3)
+    run_chunks(model, first, seq, [14])
+    assert first.cache_full_blocks(seq) == 3  # blocks of positions 0-3, 4-7, 8-11
+    first.free()  # preempted or finished: the blocks are free but keep their hashes
+    assert pool.n_free == 12 and len(pool.cached) == 3
+    again = PagedCache(pool)
+    other = seq[:10] + tokens(5, 4)  # shares the first 10 tokens: two full blocks
+    assert again.reuse_prefix(other) == 8 and again.table == first_blocks(pool, seq, 2)
+    got = run_chunks(model, again, other[8:], [7])  # only positions 8.. are computed
+    assert (got - full_logits(model, other)[8:]).abs().max().item() <= TOL
+    exact = PagedCache(pool)  # a prompt of exactly 8 tokens reuses 4: its last token must be computed
+    assert exact.reuse_prefix(seq[:8]) == 4
+
+
+def first_blocks(pool: BlockPool, seq: list[int], n: int) -> list[int]:
+    return [pool.cached[h] for h in block_hashes(seq, pool.block_size)[:n]]
+
+
+def test_free_queue_evicts_cached_blocks_last_and_least_recently_freed_first():
+    pool = BlockPool(1, n_blocks=6, block_size=1)
+    kv = torch.zeros(1, 1, 1, 2, dtype=torch.float64)
+    old, plain = PagedCache(pool), PagedCache(pool)
+    old.feed(kv.expand(1, 1, 3, 2), kv.expand(1, 1, 3, 2))  # blocks 0, 1, 2
+    plain.feed(kv, kv)  # block 3
+    old.cache_full_blocks([7, 8, 9])
+    old.free()  # cached: evicted last, the prefix's end first
+    plain.free()  # no hash: reused first
+    assert pool.peek(6) == [3, 4, 5, 2, 1, 0]
+    new = PagedCache(pool)
+    new.feed(kv.expand(1, 1, 4, 2), kv.expand(1, 1, 4, 2))  # takes 3, 4, 5 and evicts block 2
+    assert new.table == [3, 4, 5, 2] and len(pool.cached) == 2 and 2 not in pool.hash_of
+    hit = PagedCache(pool)
+    assert hit.reuse_prefix([7, 8, 9, 1]) == 2  # blocks 0 and 1 are still found; block 2 was evicted
+    assert hit.table == [0, 1] and pool.refcount[:2] == [1, 1] and pool.n_free == 0
+
+
+def test_prefix_cache_rejects_bad_input_before_any_change():
+    model = MODELS[False]
+    pool = BlockPool(CFG.n_layers, n_blocks=6, block_size=4)
+    cache = PagedCache(pool)
+    run_chunks(model, cache, tokens(6, 0), [6])
+    rejected(cache, lambda: cache.cache_full_blocks(tokens(5, 0)), CacheError,
+             r"ids: expected the sequence's 6 token ids, got 5 ids")
+    rejected(cache, lambda: cache.reuse_prefix(tokens(6, 0)), CacheError,
+             r"cache: expected an empty sequence \(reuse_prefix starts one\), got 6 positions")
+    empty = PagedCache(pool)
+    rejected(empty, lambda: empty.reuse_prefix([]), CacheError, r"ids: expected a non-empty list of token ids")
+
+
 def test_paged_rejects_bad_input_before_any_change():
     model = MODELS[False]
     pool = BlockPool(CFG.n_layers, n_blocks=3, block_size=4)
@@ -172,6 +237,14 @@ def test_slot_search_starts_after_the_last_written_cell_and_wraps():
     assert find_slots(pos, head=6, t_new=3).tolist() == [6, 7, 0]
     assert find_slots(pos, head=0, t_new=3).tolist() == [0, 1, 6]
     assert find_slots(pos, head=6, t_new=5) is None
+
+
+def test_slot_search_restarts_at_zero_far_ahead_of_the_cells_in_use():
+    pos = torch.full((16,), -1)
+    pos[10:12] = torch.tensor([0, 1])  # 2 cells in use, so a search of T restarts when head > 2 + 2 T
+    assert find_slots(pos, head=8, t_new=3).tolist() == [8, 9, 12]  # 8 <= 8: from the head
+    assert find_slots(pos, head=9, t_new=3).tolist() == [0, 1, 2]  # 9 > 8: from cell 0
+    assert find_slots(pos, head=12, t_new=5).tolist() == [12, 13, 14, 15, 0]  # 12 <= 12: from the head
 
 
 def test_cells_mask_reads_only_metadata():
@@ -218,12 +291,12 @@ def test_cells_remove_fork_and_reuse():
     a, b, c = tokens(10, 1), tokens(6, 2), tokens(9, 3)
     cache.plan([0] * 10 + [1] * 6)
     model(torch.tensor([a + b]), cache)
-    cache.seq_rm(1)  # sequence 1 is done: its 6 cells become empty
-    assert cache.length() == 10 and cache.head == 16
+    cache.seq_rm(1)  # sequence 1 is done: its 6 cells become empty, and the head moves back to the first
+    assert cache.length() == 10 and cache.head == 10
     cache.seq_cp(0, 2, 0, 7)  # sequence 2 shares the first 7 positions of sequence 0, no copy
     assert int(cache.owners[:, 2].sum()) == 7
     cache.plan([2] * 9, list(range(7, 16)))  # and continues with its own tokens from position 7
-    assert cache.find_slots(9).tolist() == [16, 17, 18, 19, 20, 21, 22, 23, 10]  # after head, then wrap
+    assert cache.find_slots(9).tolist() == [10, 11, 12, 13, 14, 15, 16, 17, 18]  # from the head
     logits = model(torch.tensor([c]), cache)[0]
     assert (logits - full_logits(model, a[:7] + c)[7:]).abs().max().item() <= TOL
     assert sorted(cache.pos[cache.owners[:, 2]].tolist()) == list(range(16))
@@ -234,6 +307,41 @@ def test_cells_remove_fork_and_reuse():
 
 
 
+
+
+def test_cells_head_follows_llama_cpp_after_removal_and_shift():
+    cache = CellsCache(1, 12, n_seqs=2)
+    kv = torch.zeros(1, 1, 1, 2, dtype=torch.float64)
+    cache.plan([0] * 4 + [1] * 4)
+    cache.feed(kv.expand(1, 1, 8, 2), kv.expand(1, 1, 8, 2))  # cells 0-3: sequence 0, cells 4-7: sequence 1
+    assert cache.head == 8
+    cache.seq_rm(0, 1, 3)  # frees cells 1 and 2, behind the head: the next search starts at cell 1
+    assert cache.head == 1 and cache.pos.tolist()[:4] == [0, -1, -1, 3]
+    cache.seq_rm(1, 3)  # frees cell 7, ahead of the head: the head stays
+    assert cache.head == 1
+    cache.seq_add(0, 3, None, -2)  # position 3 becomes 1; nothing is freed, so the head goes to cell 0
+    assert cache.head == 0 and cache.pos.tolist()[:4] == [0, -1, -1, 1]
+    cache.seq_add(1, 0, 2, -1)  # position 0 of sequence 1 (cell 4) falls below 0 and is freed
+    assert cache.pos.tolist()[4:8] == [-1, 0, 2, -1] and cache.head == 4 and not cache.owners[4].any()
+
+
+def test_cells_context_shift_keeps_n_keep_and_renumbers_the_rest():
+    """llama.cpp's context shift on a learned-position model: seq_rm a block after n_keep, then seq_add
+    the rest down; the kept cells hold their old keys, and new tokens continue at the shifted positions."""
+    model = MODELS[False]
+    cache = CellsCache(CFG.n_layers, 16, default_seq=0)
+    seq = tokens(12, 5)
+    run_chunks(model, cache, seq, [12])
+    n_keep, n_discard = 3, 4
+    cache.seq_rm(0, n_keep, n_keep + n_discard)
+    cache.seq_add(0, n_keep + n_discard, None, -n_discard)
+    assert sorted(cache.pos[cache.pos >= 0].tolist()) == list(range(12 - n_discard))
+    assert cache.position == 12 - n_discard
+    new = tokens(2, 6)
+    got = run_chunks(model, cache, new, [2])  # continues at positions 8 and 9
+    assert cache.position == 12 - n_discard + 2
+    kept = seq[:n_keep] + seq[n_keep + n_discard :]
+    assert (got - full_logits(model, kept + new)[-2:]).abs().max().item() > 1e-6  # not the shorter text's answer
 
 
 def test_cells_reject_bad_input_before_any_change():
@@ -258,6 +366,8 @@ def test_cells_reject_bad_input_before_any_change():
     rejected(cache, lambda: cache.seq_cp(1, 0), CacheError, r"dst: expected a sequence that holds no cells, got 0")
     rejected(cache, lambda: cache.seq_rm(5), CacheError, r"seq: expected an int in \[0, 2\), got 5")
     rejected(cache, lambda: cache.seq_rm(0, 4, 2), CacheError, r"p1: expected an int >= p0 = 4, got 2")
+    rejected(cache, lambda: cache.seq_add(0, 2, None, 1.5), CacheError, r"delta: expected an int, got 1.5")
+    rejected(cache, lambda: cache.seq_add(3, 2, None, -1), CacheError, r"seq: expected an int in \[0, 2\), got 3")
     cache.plan([0], [60])
     rejected(cache, lambda: model(torch.tensor([[1]]), cache), ValueError,
             r"positions: expected values in \[0, 48\), got min 60, max 60")

@@ -5,7 +5,7 @@ Each policy is a `labcode.caches.base.KVCache`, so the one GPT runs with it unch
 
 from labcode.engines.batch import ScatteredCache, run_ragged, scattered_mask
 from labcode.engines.cells import CellsCache, cells_mask, find_slots
-from labcode.engines.paged import BlockPool, PagedCache, block_slots
+from labcode.engines.paged import BlockPool, PagedCache, block_hashes, block_slots
 from labcode.engines.quant import QuantizedCache, dequantize, fake_quantize, hadamard, quantize, with_key_outliers
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "PagedCache",
     "QuantizedCache",
     "ScatteredCache",
+    "block_hashes",
     "block_slots",
     "cells_mask",
     "dequantize",

@@ -3,7 +3,9 @@
 Introduced in chapter 9. Each of the `n_cells` slots records the position it holds and
 which sequences own it; the data never says whose it is. A batch is a flat list of
 tokens, each with its own sequence id and position (set with `plan`); the mask is
-built from the metadata, so a token sees exactly its own sequence's past.
+built from the metadata, so a token sees exactly its own sequence's past. The search
+for free cells, the head it starts from and the sequence operations (`seq_rm`, `seq_cp`,
+`seq_add`) follow llama.cpp's `llama_kv_cache` (src/llama-kv-cache.cpp).
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ from labcode.checks import fail, is_int
 
 
 def find_slots(pos: torch.Tensor, head: int, t_new: int) -> torch.Tensor | None:
-    """Indices of `t_new` empty cells (pos < 0), searching from `head` and wrapping around; None if too few."""
+    """Indices of `t_new` empty cells (pos < 0), searching from `head` and wrapping around; None if too few.
+
+    Far ahead of the cells in use (more than used + 2 T), the search starts at cell 0 instead.
+    """
     n = pos.shape[0]
+    if head > int((pos >= 0).sum()) + 2 * t_new:  # enough free cells behind the head: fill from the start
+        head = 0
     order = (torch.arange(n) + head) % n  # head, head + 1, ..., n - 1, 0, ..., head - 1
     free = order[pos[order] < 0]
     return free[:t_new] if free.numel() >= t_new else None
@@ -143,11 +150,37 @@ class CellsCache(PerLayerCache):
         return p1
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int | None = None) -> None:
-        """Remove sequence `seq` from cells at positions [p0, p1); cells nobody owns become empty."""
+        """Remove sequence `seq` from cells at positions [p0, p1); cells nobody owns become empty, and the
+        head moves back to the first of them if it is behind the head."""
         p1 = self._check_range(seq, p0, p1)
         hit = self.owners[:, seq] & (self.pos >= p0) & (self.pos < p1)
         self.owners[hit, seq] = False
-        self.pos[~self.owners.any(dim=1)] = -1
+        self._release(hit & ~self.owners.any(dim=1))
+
+    def seq_add(self, seq: int, p0: int, p1: int | None, delta: int) -> None:
+        """Add `delta` to the positions in [p0, p1) of the cells `seq` owns (their other owners see it too);
+        a cell moved below position 0 is freed. Metadata only: no key or value changes. As llama.cpp's
+        `seq_add` does, the next search starts at the first cell freed, or at cell 0."""
+        p1 = self._check_range(seq, p0, p1)
+        if not is_int(delta):
+            fail("delta", "an int", delta, CacheError)
+        if delta == 0:
+            return
+        hit = self.owners[:, seq] & (self.pos >= p0) & (self.pos < p1)
+        self.pos[hit] += delta
+        gone = hit & (self.pos < 0)
+        self.owners[gone] = False
+        freed = torch.nonzero(gone).flatten()
+        self.head = int(freed[0]) if freed.numel() else 0
+        self._release(gone)
+
+    def _release(self, cells: torch.Tensor) -> None:
+        """Empty the cells marked in the bool mask `cells` [n_cells]; the next search starts at the first one
+        freed if that is behind the head."""
+        self.pos[cells] = -1
+        freed = torch.nonzero(cells).flatten()
+        if freed.numel() and int(freed[0]) < self.head:
+            self.head = int(freed[0])
         self.position = int(self.pos.max()) + 1
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int | None = None) -> None:

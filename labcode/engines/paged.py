@@ -2,11 +2,16 @@
 
 Introduced in chapter 9. Sequences share blocks by reference count: `fork` copies a
 block table, not the blocks. A block that is about to be written while another
-sequence still reads it is copied first (copy-on-write). `free` returns blocks.
-A pass writes only into blocks nobody holds yet; it takes them from the pool when it ends.
+sequence still reads it is copied first (copy-on-write), as in the PagedAttention paper.
+`free` returns blocks. A pass writes only into blocks nobody holds yet; it takes them
+from the pool when it ends. As in vLLM's engine today, full blocks can also be found
+again by the hash of the tokens up to their end (`cache_full_blocks`, `reuse_prefix`):
+a freed block keeps its hash until the pool hands it out again, least recently freed first.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -18,6 +23,21 @@ def block_slots(table: list[int], start: int, t_new: int, block_size: int) -> tu
     """Where tokens start .. start + T - 1 live: (block ids [T], offsets in the block [T])."""
     slots = torch.arange(start, start + t_new)  # (T,) logical slots = positions
     return torch.tensor(table)[slots // block_size], slots % block_size
+
+
+def block_hashes(ids: list[int], block_size: int) -> list[str]:
+    """One hash per full block of `ids`, chained: block i's covers block i - 1's hash and its own tokens,
+    so two sequences have equal hashes exactly as far as their full blocks hold equal tokens."""
+    if not (is_int(block_size) and block_size > 0):
+        fail("block_size", "a positive int", block_size, CacheError)
+    if not (isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids)):
+        fail("ids", "a list of token ids (ints)", ids, CacheError)
+    hashes, parent = [], ""
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        block = tuple(ids[start : start + block_size])
+        parent = hashlib.sha256(repr((parent, block)).encode()).hexdigest()[:16]
+        hashes.append(parent)
+    return hashes
 
 
 class BlockPool:
@@ -33,6 +53,8 @@ class BlockPool:
         self.refcount = [0] * n_blocks
         self.free_blocks = list(range(n_blocks - 1, -1, -1))  # taken from the end: the lowest id first
         self.copies = 0  # blocks copied on write
+        self.hash_of: dict[int, str] = {}  # the prefix cache: full blocks registered by the hash of their tokens
+        self.cached: dict[str, int] = {}  # and the block each hash finds
 
     @property
     def n_free(self) -> int:
@@ -58,19 +80,37 @@ class BlockPool:
         return self.free_blocks[::-1][:n]
 
     def take(self, blocks: list[int]) -> None:
-        """Hand out these free blocks; each one's reference count becomes 1."""
+        """Hand out these free blocks for new data; each one's reference count becomes 1, and a cached
+        block's hash is forgotten (evicted: its tokens are about to be overwritten)."""
         for block in blocks:
             self.free_blocks.remove(block)
             self.refcount[block] = 1
+            if block in self.hash_of:
+                del self.cached[self.hash_of.pop(block)]
 
     def incref(self, block: int) -> None:
         self.refcount[block] += 1
 
+    def touch(self, block: int) -> None:
+        """Take one more reference to a cached block, out of the free list if nobody held it."""
+        if self.refcount[block] == 0:
+            self.free_blocks.remove(block)
+        self.refcount[block] += 1
+
     def decref(self, block: int) -> None:
-        """Drop one reference; the block returns to the free list when none is left."""
+        """Drop one reference; the block returns to the free list when none is left: a block without a
+        hash to be reused first, a cached one behind every other free block (evicted last, oldest first)."""
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
-            self.free_blocks.append(block)
+            if block in self.hash_of:
+                self.free_blocks.insert(0, block)  # the list is taken from the end
+            else:
+                self.free_blocks.append(block)
+
+    def register(self, block: int, block_hash: str) -> None:
+        """Record a full block under the hash of the tokens up to its end (the first block with a hash keeps it)."""
+        if block not in self.hash_of and block_hash not in self.cached:
+            self.hash_of[block], self.cached[block_hash] = block_hash, block
 
     @property
     def nbytes(self) -> int:
@@ -186,16 +226,47 @@ class PagedCache(KVCache):
             fail("n_drop", f"an int in [0, {self.position}]", n_drop, CacheError)
         self.position -= n_drop
         keep = -(-self.position // self.pool.block_size)
-        for block in self.table[keep:]:
+        for block in reversed(self.table[keep:]):
             self.pool.decref(block)
         self.table = self.table[:keep]
 
     def free(self) -> None:
-        """Return every block to the pool; the cache is then empty and reusable."""
-        for block in self.table:
+        """Return every block to the pool, the last one first (so a cached prefix is evicted from its end);
+        the cache is then empty and reusable."""
+        for block in reversed(self.table):
             self.pool.decref(block)
         self.table = []
         super().reset()
+
+    def cache_full_blocks(self, ids: list[int]) -> int:
+        """Register this sequence's full blocks in the pool's prefix cache, `ids` being its tokens so far;
+        returns how many of its blocks are now found by hash."""
+        self._between_passes("blocks are registered between passes")
+        if not (isinstance(ids, (list, tuple)) and len(ids) == self.position):
+            got = f"{len(ids)} ids" if isinstance(ids, (list, tuple)) else type(ids).__name__
+            fail("ids", f"the sequence's {self.position} token ids", got, CacheError)
+        hashes = block_hashes(list(ids), self.pool.block_size)
+        for block, block_hash in zip(self.table, hashes, strict=False):
+            self.pool.register(block, block_hash)
+        return sum(block in self.pool.hash_of for block in self.table)
+
+    def reuse_prefix(self, ids: list[int]) -> int:
+        """Start this empty sequence from the cached blocks of the longest run of full blocks of `ids` found in
+        the pool, leaving at least the last token to compute (its logits are needed); returns positions reused."""
+        self._between_passes("a prefix is reused between passes")
+        if self.position or self.table:
+            fail("cache", "an empty sequence (reuse_prefix starts one)", f"{self.position} positions", CacheError)
+        if not (isinstance(ids, (list, tuple)) and len(ids) >= 1):
+            fail("ids", "a non-empty list of token ids", ids, CacheError)
+        hits = []
+        for block_hash in block_hashes(list(ids[:-1]), self.pool.block_size):
+            if block_hash not in self.pool.cached:
+                break
+            hits.append(self.pool.cached[block_hash])
+        for block in hits:
+            self.pool.touch(block)
+        self.table, self.position = hits, len(hits) * self.pool.block_size
+        return self.position
 
     reset = free
 

@@ -1,0 +1,93 @@
+"""Chapter 9's diagrams (`labcode.diagrams`) show the caches' real state: views copy it, drawings show it."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")  # draw off screen, whatever MPLBACKEND says
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+from matplotlib.patches import FancyArrowPatch, Polygon
+
+from labcode.caches import CacheError
+from labcode.diagrams import cells_view, draw_cells, draw_paged, paged_view
+from labcode.engines import BlockPool, CellsCache, PagedCache
+
+
+def feed(cache, n: int) -> None:
+    kv = torch.zeros(1, 1, n, 2, dtype=torch.float64)
+    cache.feed(kv, kv)
+
+
+@pytest.fixture
+def forked():
+    """Sequence a of 6 positions in blocks of 4, forked into b, and each one position longer."""
+    pool = BlockPool(1, n_blocks=8, block_size=4)
+    a = PagedCache(pool)
+    feed(a, 6)
+    b = a.fork()
+    feed(a, 1)  # a writes into the shared partial block first: it gets a copy
+    feed(b, 1)
+    return a, b
+
+
+def texts_of(ax) -> list[str]:
+    return [t.get_text() for t in ax.texts]
+
+
+def test_paged_view_copies_tables_counts_and_text(forked):
+    a, b = forked
+    view = paged_view({"a": a, "b": b}, {"a": "The owl", "b": "The ow!"})
+    assert view.tables == {"a": (0, 2), "b": (0, 1)} and view.refcount[:3] == (2, 1, 1)
+    feed(a, 1)
+    assert view.tables["a"] == (0, 2)  # a copy of that moment, not a live reference
+
+
+def test_draw_paged_shows_every_table_entry_block_and_character(forked):
+    a, b = forked
+    fig, ax = plt.subplots()
+    draw_paged(ax, paged_view({"a": a, "b": b}, {"a": "The owl", "b": "The ow!"}), title="t")
+    texts = texts_of(ax)
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    assert len(arrows) == 4  # one per block-table entry
+    assert "#0  ref 2" in texts and "#2  ref 1" in texts and "#3 free" in texts  # up to one past the last used
+    assert texts.count("→ #0") == 2 and "→ #2" in texts and "→ #1" in texts
+    assert texts.count("!") == 2 and texts.count("l") == 2 and texts.count("␣") == 3  # b's block; a's; block 0 thrice
+    plt.close(fig)
+
+
+def test_paged_view_rejects_what_it_cannot_draw(forked):
+    a, b = forked
+    stranger = PagedCache(BlockPool(1, 4, 4))
+    with pytest.raises(CacheError, match=r"caches: expected sequences of one BlockPool, got 2 pools"):
+        paged_view({"a": a, "x": stranger}, {"a": "The owl", "x": ""})
+    with pytest.raises(CacheError, match=r"texts: expected 7 characters for sequence 'b', got 3"):
+        paged_view({"a": a, "b": b}, {"a": "The owl", "b": "The"})
+    with pytest.raises(CacheError, match=r"caches: expected a dict of one or two PagedCaches"):
+        paged_view({"a": a, "b": b, "c": a}, {"a": "The owl", "b": "The ow!", "c": "The owl"})
+
+
+def test_cells_view_and_drawing_show_owners_positions_and_head():
+    cache = CellsCache(1, 8, n_seqs=3)
+    cache.plan([0, 0, 1, 1, 1])
+    feed(cache, 5)
+    cache.seq_rm(1, 0, 1)  # frees cell 2 (sequence 1's position 0): the head moves back to it
+    cache.seq_cp(0, 2, 0, 1)  # cell 0 now has two owners
+    view = cells_view(cache, names="ABC")
+    assert view.pos == (0, 1, -1, 1, 2, -1, -1, -1) and view.owners[:5] == ("AC", "A", "", "B", "B")
+    assert view.head == 2
+    fig, ax = plt.subplots()
+    draw_cells(ax, view, title="t", per_row=4)
+    texts = texts_of(ax)
+    assert [t for t in texts if t.isdigit() and len(t) == 1][:3] == ["0", "0", "1"]  # row label 0, cells 0 and 1
+    assert texts.count("·") == 4 and "head" in texts and "4" in texts  # empty cells; head; the second row's label
+    assert len([p for p in ax.patches if isinstance(p, Polygon)]) == 1
+    stripes = [p for p in ax.patches if p.get_alpha() == 0.45]
+    assert len(stripes) == 5  # one per owner: two in cell 0, one each in cells 1, 3 and 4
+    plt.close(fig)
+    with pytest.raises(CacheError, match=r"names: expected one character for each of the 3 sequences, got AB"):
+        cells_view(cache, names="AB")
+    with pytest.raises(CacheError, match=r"cache: expected a CellsCache, got PagedCache"):
+        cells_view(PagedCache(BlockPool(1, 2, 2)))
