@@ -317,7 +317,7 @@ def plot_floor_ops(values: dict) -> Figure:
     ax.set_yticks([y + 0.2 for y in ys], names)
     ax.invert_yaxis()
     ax.set(xlabel="GB/s achieved", title=f"{ops['preset']} decode step at position {ops['model']['position']}")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3)  # below the axes: no bar hidden
     return fig
 
 
@@ -351,7 +351,7 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
     ax.axhline(1.0, color=INK, lw=1)
     ax.set(xlabel="position of the new token", ylabel="step time / floor", ylim=(0.9, None))
     ax.grid(True)
-    ax.legend(loc="upper left", ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)  # below the axes: no line hidden
     return fig
 
 
