@@ -242,8 +242,8 @@ def plot_batch(values: dict) -> Figure:
     for ax, (preset, res) in zip(axes[0], runs.items(), strict=True):
         for run, color in zip(res["runs"], SERIES, strict=False):
             b = run["batch"]
-            ax.plot(b, run["tokens_per_s"], "o", color=color, label=f"S = {run['s_cached']}, measured")
-            ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color, label="predicted")
+            ax.plot(b, run["tokens_per_s"], "o-", color=color, lw=0, label=f"S = {run['s_cached']}")
+            ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color)
             crit = _f(run["critical_batch"])
             if b[0] <= crit <= b[-1]:
                 ax.axvline(crit, color=color, ls=":", lw=1)
@@ -251,8 +251,9 @@ def plot_batch(values: dict) -> Figure:
         _plain(ax, "x", base=2)
         _plain(ax, "y")
         ax.grid(True, which="major")
+        # each panel has its own cached lengths: a legend under each, clear of the data
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=8, ncol=2)
     axes[0][0].set_ylabel("tokens per second")
-    axes[0][-1].legend(loc="upper left", fontsize=8)
     return fig
 
 
