@@ -420,7 +420,7 @@ def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
            ylabel="latency: ms per step", title=preset)
     _plain(ax)
     ax.grid(True, which="major")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, ncol=2)  # below: no label hidden
     return fig
 
 
