@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from labcode.checks import fail
+from labcode.checks import fail, is_int
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class GPTConfig:
     rotary: bool = False  # rotary positions on Q and K instead of the learned position table
     rope_base: float = 10000.0  # base of the rotary frequencies (used only when rotary)
     dropout: float = 0.0  # dropout on attention weights and residuals, active only in train()
+    sliding_window: int | None = None  # W: each query sees its last W keys, itself included (None: every earlier key)
 
     def __post_init__(self) -> None:
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
@@ -38,6 +39,8 @@ class GPTConfig:
                            f"a positive divisor of n_heads {self.n_heads}"),
             "rope_base": (self.rope_base > 0, "a positive base"),
             "dropout": (0.0 <= self.dropout < 1.0, "0 <= dropout < 1"),
+            "sliding_window": (self.sliding_window is None or (is_int(self.sliding_window) and self.sliding_window > 0),
+                               "None or a positive int (the keys each query sees, itself included)"),
         }
         for name, (ok, expected) in checks.items():
             if not ok:

@@ -19,7 +19,7 @@ from labcode.caches.explicit import PairsCache
 from labcode.caches.styles import as_cache
 from labcode.checks import fail
 from labcode.config import GPTConfig
-from labcode.masks import causal_mask
+from labcode.masks import causal_mask, sliding_window_mask
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -89,7 +89,9 @@ class CausalSelfAttention(nn.Module):
         if self.cfg.rotary:
             q, k = rotate(q, positions, self.cfg.rope_base), rotate(k, positions, self.cfg.rope_base)
         if cache is None:  # this layer on its own (chapter 2): the T tokens see only each other
-            mask = causal_mask(t, device=x.device) if t > 1 else None
+            w = self.cfg.sliding_window
+            mask = None if t == 1 else causal_mask(t, device=x.device) if w is None else sliding_window_mask(
+                t, 0, w, device=x.device)
         else:
             k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
             mask = cache.mask(layer, t)
@@ -120,7 +122,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 architecture. `forward(ids)` is the full pass every cache is checked against.
+    """GPT-2 architecture. `forward(ids)` is the full pass every cache is checked against
+    (banded when `cfg.sliding_window` is set: each query sees its last W keys).
 
     Three ways to hold the cache, one pass (`labcode.caches.styles.as_cache` turns each into a cache object):
       * `forward(ids, cache)` with a `labcode.caches` object (chapters 3 and 5);
@@ -172,8 +175,8 @@ class GPT(nn.Module):
         """The pass: logits [B, T, V] for ids [B, T] through one cache object (None: one that keeps nothing),
         and the hidden state [B, T, C] after each block if asked (chapter 2)."""
         b, t = self.check_ids(ids)
-        cache = NoCache(len(self.blocks)) if cache is None else cache
-        check_cache(cache, len(self.blocks))  # a cache cannot know the model's depth: checked here
+        cache = NoCache(len(self.blocks), self.cfg.sliding_window) if cache is None else cache
+        check_cache(cache, len(self.blocks), self.cfg.sliding_window)  # a cache cannot know the model: checked here
         placed = cache.begin((b, self.cfg.n_kv_heads, t, self.cfg.head_dim), self.dtype, self.device)
         try:  # the cache refused nothing, so it writes from here on; a pass that fails commits nothing
             positions = self.positions(placed, cache.position, b, t)  # (T,) or (B, T)

@@ -62,6 +62,8 @@ run_qa qa/probes.ipynb probes.json
 run_qa qa/rotary_kshift.ipynb rotary_kshift.json
 run_qa qa/engines.ipynb engines.json
 run_qa qa/hf_caches.ipynb hf_caches.json
+run_qa qa/distributed.ipynb distributed.json
+run_qa qa/windows.ipynb windows.json
 # (tests/test_qa.py checks that every committed result has its line here.)
 if [ "$bench" = 1 ]; then
   echo "regenerating qa/results/bench.json (the benchmarks, several minutes)"

@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from labcode import GPT, GPTConfig
-from labcode.caches import ConcatCache, GrowableCache, KVCache, ModuleStateCache, PairsCache, RingCache, WindowCache
+from labcode.caches import (
+    ConcatCache,
+    GrowableCache,
+    KVCache,
+    ModuleStateCache,
+    PairsCache,
+    RingCache,
+    SinkCache,
+    SlidingWindowCache,
+    WindowCache,
+)
 from labcode.caches.base import states_equal
 from labcode.engines import BlockPool, CellsCache, PagedCache, QuantizedCache, ScatteredCache
 
@@ -21,6 +31,8 @@ FACTORIES: dict[str, Callable[[GPT, int, int], KVCache]] = {
     "pairs": lambda m, room, b: PairsCache(m.cfg.n_layers),
     "window": lambda m, room, b: WindowCache(m.cfg.n_layers, room),
     "ring": lambda m, room, b: RingCache(m.cfg.n_layers, room),
+    "sliding": lambda m, room, b: SlidingWindowCache(m.cfg.n_layers, room + 1),  # keeps W - 1 = room rows
+    "sinks": lambda m, room, b: SinkCache(m.cfg.n_layers, room, n_keep=2),  # the first 2 and the latest `room`
     "growable-linear": lambda m, room, b: GrowableCache(m.cfg.n_layers, 3),
     "growable-double": lambda m, room, b: GrowableCache(m.cfg.n_layers, 3, policy="double"),
     "naive": lambda m, room, b: (m.reset_kv_cache(), ModuleStateCache(m))[1],
@@ -29,7 +41,7 @@ FACTORIES: dict[str, Callable[[GPT, int, int], KVCache]] = {
     "scattered": lambda m, room, b: ScatteredCache(m.cfg.n_layers, b, room),
     "quantized": lambda m, room, b: QuantizedCache(m.cfg.n_layers, bits=8),
 }
-CORE = ["concat", "pairs", "window", "ring", "growable-linear", "growable-double"]  # the caches of chapters 4 and 5
+CORE = ["concat", "pairs", "window", "ring", "sliding", "sinks", "growable-linear", "growable-double"]  # chapters 4-6
 ONE_ROW = {"paged", "cells"}  # kinds that hold one sequence (batch 1)
 EXACT = [k for k in FACTORIES if k != "quantized"]  # every kind that computes the full forward's logits
 

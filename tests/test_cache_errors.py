@@ -294,7 +294,7 @@ def test_prefill_rejects_a_bad_chunk_size(kind, size, match):
 def test_prefill_rejects_a_chunk_size_over_the_window(kind):
     cache = filled(kind, 2)
     rejected(cache, lambda: prefill(MODEL, IDS[:, 2:20], cache, chunk_size=W + 1), ValueError,
-             rf"chunk_size: expected at most the cache's max_chunk {W} \(its window\), got {W + 1}")
+             rf"chunk_size: expected at most the cache's max_chunk {W} \(the window\), got {W + 1}")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -31,7 +31,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 def _room(kind: str) -> int:
     """Small windows, so that forks happen after drops and wrap-arounds; room for everything otherwise."""
-    return 5 if kind in ("window", "ring") else CFG.context_length
+    return 5 if kind in ("window", "ring", "sliding", "sinks") else CFG.context_length
 
 
 def _chunks(draw, n: int, most: int) -> list[int]:

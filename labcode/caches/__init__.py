@@ -1,4 +1,4 @@
-"""Cache policies, each a small class behind the one `KVCache` contract (chapters 3 to 5)."""
+"""Cache policies, each a small class behind the one `KVCache` contract (chapters 3 to 6)."""
 
 from labcode.caches.base import CacheError, KVCache, NoCache
 from labcode.caches.concat import ConcatCache
@@ -7,6 +7,8 @@ from labcode.caches.growable import GrowableCache
 from labcode.caches.naive import ModuleStateCache
 from labcode.caches.prealloc import PreallocatedCache
 from labcode.caches.ring import RingCache
+from labcode.caches.sinks import SinkCache
+from labcode.caches.sliding import SlidingWindowCache
 from labcode.caches.styles import Request, as_cache
 from labcode.caches.window import WindowCache
 
@@ -21,6 +23,8 @@ __all__ = [
     "PreallocatedCache",
     "Request",
     "RingCache",
+    "SinkCache",
+    "SlidingWindowCache",
     "WindowCache",
     "as_cache",
 ]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from labcode.checks import fail, is_int
-from labcode.masks import causal_mask
+from labcode.masks import causal_mask, sliding_window_mask
 
 
 class CacheError(ValueError):
@@ -116,6 +116,8 @@ class KVCache:
     """
 
     max_chunk: int | None = None  # the largest T one pass accepts (None: any)
+    max_chunk_reason: str = "the window"  # why, as the refusal says it
+    attention_window: int | None = None  # W of the band its masks apply (None: every cached key is visible)
     position: int = 0  # absolute position of the next token: the tokens committed so far
     layout: Layout | None = None  # B, Hkv, D, dtype and device, fixed by the first pass
     planned: object = None  # a plan for the next pass, for caches that place tokens themselves (chapter 9)
@@ -274,8 +276,8 @@ class KVCache:
         """The rules every cache keeps, then this kind's own (`_check`)."""
         b, hkv, t, d = chunk.shape
         if self.max_chunk is not None and t > self.max_chunk:
-            fail("t_new", f"a chunk of at most {self.max_chunk} tokens (the window; prefill longer prompts in chunks)",
-                 t, CacheError)
+            fail("t_new", f"a chunk of at most {self.max_chunk} tokens ({self.max_chunk_reason}; prefill longer "
+                 "prompts in chunks)", t, CacheError)
         fixed = self.layout
         if fixed is not None:
             if b != fixed.batch:
@@ -331,7 +333,21 @@ class PerLayerCache(KVCache):
 
 
 class NoCache(KVCache):
-    """The full forward as a pass through a cache that keeps nothing: every pass starts at position 0."""
+    """The full forward as a pass through a cache that keeps nothing: every pass starts at position 0.
+
+    With a `window` W (a sliding-window model, chapter 5) the mask is banded: each query sees its last W keys.
+    """
+
+    def __init__(self, n_layers: int, window: int | None = None) -> None:
+        super().__init__(n_layers)
+        if not (window is None or (is_int(window) and window > 0)):
+            fail("window", "None or a positive number of keys", repr(window), CacheError)
+        self.attention_window = window
+
+    def _open(self, chunk: Chunk) -> None:
+        super()._open(chunk)
+        if self.attention_window is not None and chunk.t_new > 1:
+            chunk.mask = sliding_window_mask(chunk.t_new, 0, self.attention_window, device=chunk.device)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v  # attend to the T new keys only
@@ -350,10 +366,15 @@ class NoCache(KVCache):
         return 0
 
 
-def check_cache(cache: object, n_layers: int) -> None:
-    """Raise CacheError unless `cache` is a KVCache object for `n_layers` layers."""
+def check_cache(cache: object, n_layers: int, window: int | None = None) -> None:
+    """Raise CacheError unless `cache` is a KVCache object for `n_layers` layers that, for a sliding-window
+    model (`window` W), applies that band: a cache that ignored it would silently compute another model."""
     if not isinstance(cache, KVCache):
         fail("cache", "a KVCache object (labcode.caches; wrap (K, V) pairs in PairsCache)",
              None if cache is None else type(cache).__name__, CacheError)
     if cache.n_layers != n_layers:
         fail("cache", f"a cache for {n_layers} layers", f"one for {cache.n_layers}", CacheError)
+    if window is not None and cache.attention_window != window:
+        fail("cache", f"a cache whose masks apply the model's sliding window of {window} (SlidingWindowCache, "
+             f"or a WindowCache or RingCache of {window})",
+             f"{type(cache).__name__} with attention_window {cache.attention_window}", CacheError)

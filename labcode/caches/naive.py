@@ -1,7 +1,8 @@
-"""The naive cache: state inside the model (the design the sources call "upstream naive").
+"""The naive cache: state inside the model, as in Raschka's LLMs-from-scratch (ch04/03_kv-cache).
 
 Introduced in chapter 3. Each attention module holds `cache_k`, `cache_v` and a
-pointer `ptr_current_pos` into a precomputed triangular mask; the model holds
+pointer `ptr_current_pos` into a triangular mask (the from-scratch code builds it
+once as a buffer; `mask_rows` here builds it on every call); the model holds
 `current_pos`, the row of the position table. Both must advance together, and
 `model.reset_kv_cache()` must be called before every new request.
 """
@@ -77,7 +78,7 @@ class ModuleStateCache(KVCache):
         return append_to_module(self.attns[layer], k, v)
 
     def mask(self, layer: int, t_new: int) -> torch.Tensor:
-        """Rows of the full triangular mask at this layer's pointer (the upstream design)."""
+        """Rows of the full triangular mask at this layer's pointer (the from-scratch design)."""
         self._in_pass("mask")
         return mask_rows(self.attns[layer], t_new, self.model.cfg.context_length)
 

@@ -1,8 +1,9 @@
 """The preallocated window cache: fixed buffers, a write pointer, shift left when full.
 
-Introduced in chapter 5. While nothing has been dropped it computes exactly what the
-full forward computes; once full, each append drops the oldest rows and from then
-on it no longer does (chapter 6).
+Introduced in chapter 5. It drops the oldest rows *before* a chunk attends, so it computes
+banded (sliding-window) attention one token at a time, and an answer that depends on the
+chunk schedule once a chunk of several tokens makes it drop (chapter 5). For a full-attention
+model every drop changes the answer (chapter 6); `SlidingWindowCache` is the exact one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class WindowCache(PreallocatedCache):
         """W, the number of positions kept."""
         return self.capacity
 
+    @property
+    def attention_window(self) -> int:
+        """The band its masks apply: W (a sliding-window model of this W may use it)."""
+        return self.capacity
+
     def will_drop(self, t_new: int) -> int:
         """How many cached positions a chunk of `t_new` tokens would drop."""
         return max(0, self.ptr + t_new - self.capacity)
@@ -53,12 +59,16 @@ class WindowCache(PreallocatedCache):
         chunk = self.chunk
         self._buffers(layer, k, self.capacity)
         if chunk.dropped:
-            shift_left(self.k[layer], chunk.dropped, self.ptr)
-            shift_left(self.v[layer], chunk.dropped, self.ptr)
-            self.rows_copied += 2 * chunk.past
+            self._shift(layer, chunk.dropped)
         self._write(layer, k, v, chunk.past)
         n = chunk.past + chunk.t_new
         return self.k[layer].narrow(2, 0, n), self.v[layer].narrow(2, 0, n)  # views, no copy
+
+    def _shift(self, layer: int, drop: int) -> None:
+        """Drop `layer`'s `drop` oldest rows: move the ones kept to the front of K and V."""
+        for buf in (self.k[layer], self.v[layer]):
+            shift_left(buf, drop, self.ptr)
+            self.rows_copied += self.ptr - drop
 
     def _commit(self, chunk: Chunk) -> None:
         super()._commit(chunk)
