@@ -47,6 +47,17 @@ def sig(value: float, digits: int = 3) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
+def num(value: float, digits: int = 3) -> str:
+    """`value` to `digits` significant digits, written out with thousands separators: 1,100 and 0.5,
+    never 1.1e+03 (`sig` for values below 1e-4, which need the exponent)."""
+    if value == 0 or not math.isfinite(value) or abs(value) < 1e-4:
+        return sig(value, digits)
+    rounded = float(f"{value:.{digits}g}")
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(rounded))))
+    text = f"{rounded:,.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def glue(name: str, value, display: bool = False) -> None:
     """myst-nb's `glue`, hidden by default: the page inserts `value` where the text says {glue:text}`name`.
 

@@ -8,8 +8,10 @@ also multiplies the masked-out query-key pairs, so their cost is counted too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from labcode.config import GPTConfig
@@ -32,25 +34,41 @@ def attention_flops(cfg: GPTConfig, t_new: int, s_total: int, batch: int = 1) ->
     return cfg.n_layers * 4 * batch * cfg.n_heads * t_new * s_total * cfg.head_dim
 
 
-def forward_flops(cfg: GPTConfig, t_new: int, s_cached: int = 0, batch: int = 1) -> int:
-    """FLOPs of one forward call: T new positions after S cached ones."""
-    return linear_flops(cfg, t_new, batch) + attention_flops(cfg, t_new, s_cached + t_new, batch)
+def head_flops(cfg: GPTConfig, rows: int, batch: int = 1) -> int:
+    """FLOPs of the tied output head for `rows` positions of each sequence: 2 * B * rows * C * V."""
+    return 2 * batch * rows * cfg.d_model * cfg.vocab_size
+
+
+def _logit_rows(logits: str, t_new: int) -> int:
+    if logits not in ("all", "last"):
+        raise ValueError(f"logits: expected 'all' or 'last', got {logits!r}")
+    return t_new if logits == "all" else 1
+
+
+def forward_flops(cfg: GPTConfig, t_new: int, s_cached: int = 0, batch: int = 1, logits: str = "all") -> int:
+    """FLOPs of one forward call: T new positions after S cached ones.
+
+    `logits="all"` counts the head on every new position, as the course's model computes it;
+    `"last"` on the last one only, as a generation loop needs (see `head_on_last_row`).
+    """
+    skipped = head_flops(cfg, t_new - _logit_rows(logits, t_new), batch)
+    return linear_flops(cfg, t_new, batch) - skipped + attention_flops(cfg, t_new, s_cached + t_new, batch)
 
 
 def generation_flops(cfg: GPTConfig, prompt_len: int, new_tokens: int, cached: bool,
-                     batch: int = 1) -> list[int]:
+                     batch: int = 1, logits: str = "all") -> list[int]:
     """FLOPs of each forward call of a greedy generation of `new_tokens` after a prompt of P tokens.
 
     Without a cache call i runs all P + i positions; with one, the first call runs the
     prompt and each later call one position after P + i - 1 cached ones (the last token
-    is never fed back), as `labcode.generate` does.
+    is never fed back), as `labcode.generate` does. `logits` as in `forward_flops`.
     """
     if new_tokens <= 0:
         return []
     if not cached:
-        return [forward_flops(cfg, prompt_len + i, 0, batch) for i in range(new_tokens)]
-    return [forward_flops(cfg, prompt_len, 0, batch)] + [
-        forward_flops(cfg, 1, prompt_len + i - 1, batch) for i in range(1, new_tokens)
+        return [forward_flops(cfg, prompt_len + i, 0, batch, logits) for i in range(new_tokens)]
+    return [forward_flops(cfg, prompt_len, 0, batch, logits)] + [
+        forward_flops(cfg, 1, prompt_len + i - 1, batch, logits) for i in range(1, new_tokens)
     ]
 
 
@@ -62,10 +80,31 @@ def attention_sum(cfg: GPTConfig, n: int, cached: bool) -> int:
     return unit * n * (n + 1) * (2 * n + 1) // 6
 
 
-def linear_sum(cfg: GPTConfig, n: int, cached: bool) -> int:
-    """Linear-layer FLOPs summed over steps t = 1..n: 2 P t each (O(n^2 C^2)) or, cached, 2 P (O(n C^2))."""
+def linear_sum(cfg: GPTConfig, n: int, cached: bool, logits: str = "all") -> int:
+    """Linear-layer FLOPs summed over steps t = 1..n: 2 P t each (O(n^2 C^2)) or, cached, 2 P (O(n C^2)).
+
+    With `logits="last"` the uncached step t multiplies only one row by the head: 2 (P - CV) t + 2 CV.
+    """
     per_position = 2 * linear_params(cfg)
-    return per_position * (n * (n + 1) // 2 if not cached else n)
+    if cached:
+        return per_position * n
+    skipped = 0 if _logit_rows(logits, 2) == 2 else head_flops(cfg, n * (n + 1) // 2 - n)
+    return per_position * (n * (n + 1) // 2) - skipped
+
+
+@contextmanager
+def head_on_last_row(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, `model` multiplies only the last position of each call by its output head.
+
+    Its logits are then [B, 1, V]: the last row of what it returns otherwise. A generation
+    loop reads nothing else (Hugging Face's `generate` passes `logits_to_keep=1` for this).
+    Done with a hook that keeps the last row of the final LayerNorm's output.
+    """
+    handle = model.ln_f.register_forward_hook(lambda _module, _inputs, out: out[:, -1:])
+    try:
+        yield model
+    finally:
+        handle.remove()
 
 
 def measure_flops(fn: Callable[[], object]) -> tuple[int, dict[str, int]]:

@@ -129,6 +129,20 @@ def step_cost(cfg: GPTConfig, t_new: int, s_cached: int = 0, batch: int = 1, *,
     )
 
 
+def attention_intensity(cfg: GPTConfig, t_new: int, s_cached: int = 0, batch: int = 1, *, fused: bool = False,
+                        dtype: torch.dtype | str = torch.float32) -> float:
+    """FLOPs per byte of a call's attention: 4 B L H T (S + T) D FLOPs over the bytes it moves.
+
+    It reads the S + T cached keys and values of every sequence and the queries, and writes
+    its outputs; eager attention also writes and reads the [T, S + T] score matrix several
+    times, which a `fused` kernel (chapter 8) keeps on chip.
+    """
+    cost = step_cost(cfg, t_new, s_cached, batch, dtype=dtype)
+    queries_and_outputs = element_bytes(dtype) * cfg.n_layers * 2 * batch * t_new * cfg.n_heads * cfg.head_dim
+    moved = cost.kv_read_bytes + (queries_and_outputs if fused else cost.act_attention_bytes)
+    return cost.flops_attention / moved
+
+
 def prefill_cost(cfg: GPTConfig, t_new: int, s_cached: int = 0, batch: int = 1, **kw) -> StepCost:
     """A cached prefill (or chunk) of T tokens after S cached."""
     return step_cost(cfg, t_new, s_cached, batch, **kw)

@@ -140,7 +140,8 @@ def test_every_figure_is_written(bench_run):
     assert [p.name for p in plots] == sorted(
         f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "floor", "roofline",
                                    "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
-                                   "floor_ratio", "window_vs_concat"))
+                                   "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput",
+                                   "append_medians"))
     assert all(p.stat().st_size > 5000 for p in plots)
 
 
@@ -151,7 +152,7 @@ def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
 
     values = bench_run[0]["values"]
     for name in ("roofline", "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
-                 "floor_ratio", "window_vs_concat"):
+                 "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput", "append_medians"):
         fig = PLOTS[name](values)
         try:
             fig.canvas.draw()  # tick labels get their text when drawn
@@ -401,3 +402,22 @@ def test_speedup_and_overhead_crossover_come_from_the_roofline(bench_run):
     above = [r for r in cross["widths"] if r["t_parts"] >= r["t_overhead"]]
     assert cross["crossover_d_model"] == min(r["d_model"] for r in above)
     assert all(r["t_parts"] < r["t_overhead"] for r in cross["widths"] if r["d_model"] < cross["crossover_d_model"])
+
+
+def test_wall_over_cpu_is_the_median_of_the_timed_calls():
+    from labcode.bench.roofline import wall_over_cpu
+
+    points = [{"step_s": w, "step_cpu_s": c} for w, c in ((2.0, 1.0), (3.0, 1.0), (1.0, 1.0))]
+    assert wall_over_cpu({"a": {"points": points[:2]}, "b": {"points": points[2:]}}) == (2.0, 3)
+    with pytest.raises(ValueError, match="roofline"):
+        wall_over_cpu({"a": {"points": []}})
+
+
+def test_clock_note_says_shared_only_when_the_clocks_disagree():
+    from labcode.bench.roofline import clock_note
+
+    def run(wall: float) -> dict:
+        return {"a": {"points": [{"step_s": wall, "step_cpu_s": 1.0}] * 3}}
+
+    assert "shared" in clock_note(run(2.5)) and "2.5 times" in clock_note(run(2.5))
+    assert "shared" not in clock_note(run(1.05)) and "to itself" in clock_note(run(1.05))

@@ -152,3 +152,19 @@ def test_long_contexts_are_never_compute_bound():
     assert context_limit(cfg, Machine(peak_flops_per_s=1e9, bandwidth_bytes_per_s=1e12)) == math.inf
     # arithmetic so fast that no batch is compute-bound even with nothing cached
     assert context_limit(cfg, Machine(peak_flops_per_s=1e15, bandwidth_bytes_per_s=1e9)) == 0.0
+
+
+def test_attention_intensity_by_hand():
+    from labcode.roofline import attention_intensity
+
+    # micro, one token after 5 cached: 768 FLOPs; 1536 bytes of K/V, 256 of queries and outputs, 576 of scores
+    assert attention_intensity(MICRO, 1, 5, fused=True) == pytest.approx(768 / (1536 + 256))
+    assert attention_intensity(MICRO, 1, 5) == pytest.approx(768 / (1536 + 256 + 576))
+    # a long decode step reads 2 Hkv D elements per key for 4 H D FLOPs: 2 (H / Hkv) / bytes per element
+    gpt2 = get_config("gpt2-124m")
+    for hkv, dtype, e in ((12, torch.float32, 4), (3, torch.float32, 4), (1, torch.bfloat16, 2)):
+        i = attention_intensity(gpt2.with_(n_kv_heads=hkv), 1, 100_000, fused=True, dtype=dtype)
+        assert i == pytest.approx(2 * 12 / hkv / e, rel=1e-3)  # queries and outputs: 12 / 100,000 at most
+    # a fused prefill's intensity grows with T (T / 4 in float32 MHA); eager attention's stops at its score passes
+    assert attention_intensity(gpt2, 512, fused=True) == pytest.approx(512 / 4)
+    assert attention_intensity(gpt2, 512) < attention_intensity(gpt2, 512, fused=True) / 10

@@ -140,6 +140,7 @@ STYLE = {
     "figure.facecolor": "none", "axes.facecolor": "none", "savefig.transparent": True,
     "axes.spines.top": False, "axes.spines.right": False, "grid.color": INK, "grid.alpha": 0.25,
     "lines.linewidth": 1.6, "lines.markersize": 5,
+    "figure.constrained_layout.use": False,  # these figures lay themselves out (tight_layout), whatever else is set
 }
 PRESET_COLORS = {"gpt2-124m": "tab:blue", "small": "tab:orange", "tiny": "tab:green", "micro": "tab:purple"}
 KIND_MARKERS = {"prefill": "o", "decode": "s", "uncached": "^"}
@@ -241,8 +242,8 @@ def plot_batch(values: dict) -> Figure:
     for ax, (preset, res) in zip(axes[0], runs.items(), strict=True):
         for run, color in zip(res["runs"], SERIES, strict=False):
             b = run["batch"]
-            ax.plot(b, run["tokens_per_s"], "o", color=color, label=f"S = {run['s_cached']}, measured")
-            ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color, label="predicted")
+            ax.plot(b, run["tokens_per_s"], "o-", color=color, lw=0, label=f"S = {run['s_cached']}")
+            ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color)
             crit = _f(run["critical_batch"])
             if b[0] <= crit <= b[-1]:
                 ax.axvline(crit, color=color, ls=":", lw=1)
@@ -250,8 +251,9 @@ def plot_batch(values: dict) -> Figure:
         _plain(ax, "x", base=2)
         _plain(ax, "y")
         ax.grid(True, which="major")
+        # each panel has its own cached lengths: a legend under each, clear of the data
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=8, ncol=2)
     axes[0][0].set_ylabel("tokens per second")
-    axes[0][-1].legend(loc="upper left", fontsize=8)
     return fig
 
 
@@ -316,7 +318,7 @@ def plot_floor_ops(values: dict) -> Figure:
     ax.set_yticks([y + 0.2 for y in ys], names)
     ax.invert_yaxis()
     ax.set(xlabel="GB/s achieved", title=f"{ops['preset']} decode step at position {ops['model']['position']}")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3)  # below the axes: no bar hidden
     return fig
 
 
@@ -350,7 +352,7 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
     ax.axhline(1.0, color=INK, lw=1)
     ax.set(xlabel="position of the new token", ylabel="step time / floor", ylim=(0.9, None))
     ax.grid(True)
-    ax.legend(loc="upper left", ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)  # below the axes: no line hidden
     return fig
 
 
@@ -375,6 +377,73 @@ def plot_rows(values: dict) -> Figure:
     return fig
 
 
+@_styled
+def plot_overhead_crossover(values: dict) -> Figure:
+    """A batch-1 decode step's predicted time for bytes (solid) and for its operations' fixed cost (dashed), against
+    the model width, per preset: the fixed cost dominates left of the crossing. Each preset's own width is marked."""
+    cross = values["roofline_summary"]["crossover"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.2))
+    for (preset, c), color in zip(cross.items(), SERIES, strict=False):
+        color = PRESET_COLORS.get(preset, color)
+        widths = [r["d_model"] for r in c["widths"]]
+        ax.plot(widths, [r["t_parts"] * 1e3 for r in c["widths"]], "-", color=color, label=f"{preset}: bytes")
+        ax.plot(widths, [r["t_overhead"] * 1e3 for r in c["widths"]], "--", color=color, lw=1.2,
+                label=f"{preset}: operations")
+        own = values["roofline"].get(preset, {}).get("config", {}).get("d_model")
+        mine = [r for r in c["widths"] if r["d_model"] == own]
+        if mine:
+            ax.plot(own, mine[0]["t_parts"] * 1e3, "o", color=color, ms=7)
+    ax.set(xscale="log", yscale="log", xlabel="model width C (dots: the preset's own)", ylabel="ms per decode step")
+    _plain(ax, "x", base=2)
+    _plain(ax, "y")
+    ax.grid(True, which="major")
+    ax.legend(loc="upper left", ncol=2, fontsize=8)
+    return fig
+
+
+@_styled
+def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
+    """Latency (ms per decode step, what each sequence waits per token) against throughput (tokens per second for the
+    whole batch), measured (points, labelled with the batch size) and predicted (lines), for each cached length."""
+    preset = preset or next(reversed(values["batch"]))
+    runs = values["batch"][preset]["runs"]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.4))
+    for run, color in zip(runs, SERIES, strict=False):
+        pred = run["predicted"]
+        ax.plot(pred["tokens_per_s"], [t * 1e3 for t in pred["step_s"]], "-", color=color,
+                label=f"S = {run['s_cached']}, predicted")
+        ax.plot(run["tokens_per_s"], [t * 1e3 for t in run["step_s"]], "o", color=color,
+                label=f"S = {run['s_cached']}, measured")
+        for b, x, t in zip(run["batch"], run["tokens_per_s"], run["step_s"], strict=True):
+            ax.annotate(f"B={b}", (x, t * 1e3), textcoords="offset points", xytext=(4, 4), fontsize=9, color=color)
+    ax.set(xscale="log", yscale="log", xlabel="throughput: tokens per second, whole batch",
+           ylabel="latency: ms per step", title=preset)
+    _plain(ax)
+    ax.grid(True, which="major")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, ncol=2)  # below: no label hidden
+    return fig
+
+
+@_styled
+def plot_append_medians(values: dict) -> Figure:
+    """Median µs to append one position to every layer, for each cache and bare operation, at the two cache lengths."""
+    runs = values["append"]
+    kinds = list(next(iter(runs.values()))["median_step_s"])
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.6))
+    height = 0.8 / len(runs)
+    for i, (run, color) in enumerate(zip(runs.values(), SERIES, strict=False)):
+        ax.barh([k + i * height for k in range(len(kinds))], [run["median_step_s"][k] * US for k in kinds], height,
+                color=color, label=f"{run['setup']['prefill']:,} positions cached")
+    ax.set_yticks([k + height * (len(runs) - 1) / 2 for k in range(len(kinds))],
+                  [LABELS.get(k, k) for k in kinds])
+    ax.invert_yaxis()
+    ax.set(xscale="log", xlabel="µs per decode step, all layers (median)")
+    _plain(ax, "x")
+    ax.grid(True, which="major", axis="x")
+    ax.legend(loc="lower right")
+    return fig
+
+
 PLOTS = {
     "append": plot_append,
     "append_attention": plot_append_attention,
@@ -390,6 +459,9 @@ PLOTS = {
     "floor_ops": plot_floor_ops,
     "floor_ratio": plot_floor_ratio,
     "window_vs_concat": plot_window_vs_concat,
+    "overhead_crossover": plot_overhead_crossover,
+    "latency_throughput": plot_latency_throughput,
+    "append_medians": plot_append_medians,
 }
 
 

@@ -125,6 +125,29 @@ def machine_of(measured: dict, clock: str = "wall") -> Machine:
     return Machine(**measured[clock])
 
 
+def wall_over_cpu(roofline: dict) -> tuple[float, int]:
+    """(median of wall-clock over CPU time, number of calls) over every timed call of a `bench_roofline` result.
+
+    About 1 when the process had its core to itself; well above 1 when other work shared the cores.
+    """
+    ratios = [pt["step_s"] / pt["step_cpu_s"] for run in roofline.values() for pt in run["points"]
+              if pt.get("step_cpu_s")]
+    if not ratios:
+        raise ValueError("roofline: expected timed calls with a CPU time, got none")
+    return median(ratios), len(ratios)
+
+
+def clock_note(roofline: dict, shared_above: float = 1.1) -> str:
+    """One sentence for a page: was the machine shared during the run (`wall_over_cpu` above `shared_above`)?"""
+    ratio, n = wall_over_cpu(roofline)
+    if ratio > shared_above:
+        return (f"In this run the wall clock measured the timed calls at {ratio:.1f} times their CPU time (median "
+                f"over {n} calls): other work shared the cores, so the absolute wall-clock times are inflated, and "
+                "the comparisons that matter are ratios of calls timed side by side.")
+    return (f"In this run the two clocks agree to within {shared_above - 1:.0%} (median over {n} timed calls): the "
+            "process had its core to itself.")
+
+
 def points_for(cfg: GPTConfig, prefill: tuple[tuple[int, int], ...], decode: tuple[float, ...],
                uncached: tuple[int, ...], decode_steps: int) -> list[tuple[str, int, int]]:
     """(kind, T, S) of each point that fits the preset's position table.
