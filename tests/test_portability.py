@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import ROOT
 
 # Kernel sets from the plainest up, as torch.backends.cpu.get_cpu_capability() names them.
@@ -65,7 +66,7 @@ class PortabilityPass:
 def launch() -> PortabilityPass:
     """Start the second pass in the background, in a copy of the sources, and return at once.
 
-    The main session starts it as soon as it has collected its tests (tests/conftest.py), so the
+    The main session starts it as soon as it has collected its tests (conftest.py), so the
     two passes share the machine's cores instead of running one after the other; the test below
     waits for it and reads its verdict.
     """

@@ -1,4 +1,7 @@
-"""Shared fixtures: one clean book build per test session, a local web server for it, and the
+"""Shared fixtures and hooks, at the repository root so that they apply to the notebooks' items too
+(pytest consults a conftest only for the items below its folder).
+
+One clean book build per test session, a local web server for it, and the
 Chromium that the browser tests drive.
 
 Every notebook is executed once per test session, by nbval, which compares each cell's output with
@@ -27,7 +30,7 @@ import nbformat
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent
 # No test downloads anything, and none sees a Hugging Face cache the developer may have: chapter 1's
 # optional GPT-2 cell then skips itself on every machine (the notebooks' kernels inherit this).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -97,6 +100,7 @@ def pytest_collection_modifyitems(session, config, items):
         shutil.rmtree(EXECUTED, ignore_errors=True)
     _runs.clear()
     if CAPTURE and any(i.name == PORTABILITY_TEST for i in items):
+        sys.path.insert(0, str(ROOT / "tests"))
         from test_portability import launch  # the second pass starts now and runs beside this one
 
         _portability.append(launch())
@@ -110,6 +114,7 @@ _portability: list = []  # the background portability pass, when this session ru
 def portability_pass():
     """The portability pass started at collection (tests/test_portability.py)."""
     if not _portability:
+        sys.path.insert(0, str(ROOT / "tests"))
         from test_portability import launch
 
         _portability.append(launch())
