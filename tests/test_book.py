@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 from bs4 import BeautifulSoup
+
 from conftest import ROOT, toc_files
 
 # Attributes through which a page loads or links to something.

@@ -42,7 +42,8 @@ def test_importing_labcode_has_no_side_effects():
 
 def test_ruff_is_clean():
     ruff = Path(sys.executable).with_name("ruff")
-    out = subprocess.run([str(ruff), "check", "labcode", "tests", "conftest.py"], capture_output=True, text=True, cwd=ROOT)
+    paths = ["labcode", "tests", "conftest.py"]
+    out = subprocess.run([str(ruff), "check", *paths], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
