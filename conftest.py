@@ -40,7 +40,7 @@ EXECUTED = ROOT / "_build" / "test-executed"  # notebooks as nbval executed them
 STAGE = ROOT / "_build" / "test-source"  # the book's sources, with those executions in place
 # The portability pass (tests/test_portability.py) runs nbval again under other CPU kernels; its
 # executions are checked, never published.
-CAPTURE = os.environ.get("KVCV_PORTABILITY") != "1"
+CAPTURE = os.environ.get("KVCV_PORTABILITY") != "1" and os.environ.get("KVCV_LANE") != "1"
 # Debian's Chromium; KVCV_CHROMIUM names another Chromium-based browser (CI on macOS uses the runner's Chrome).
 CHROMIUM = Path(os.environ.get("KVCV_CHROMIUM") or "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -104,6 +104,48 @@ def pytest_collection_modifyitems(session, config, items):
         from test_portability import launch  # the second pass starts now and runs beside this one
 
         _portability.append(launch())
+    # The whole suite: the unit tests, which need neither the notebooks' executions nor the book, run
+    # in a second pytest process at a lower priority, beside the notebooks, on the core nbval leaves
+    # idle; tests/test_lanes.py waits for them and fails with their failures.
+    lane = [i for i in items if Path(str(i.fspath)).name in LANE_FILES]
+    if CAPTURE and lane and any(i.name == LANE_TEST for i in items):
+        items[:] = [i for i in items if i not in lane]
+        config.hook.pytest_deselected(items=lane)
+        files = sorted({str(Path(str(i.fspath)).relative_to(ROOT)) for i in lane})
+        _lanes.append(_launch_lane(files))
+
+
+# tests/ files that run in the unit lane when the whole suite runs (everything but the book, the
+# browser, the QA regeneration and the passes that wait for others).
+LANE_FILES = {p.name for p in (ROOT / "tests").glob("test_*.py")} - {
+    "test_book.py", "test_browser.py", "test_qa.py", "test_portability.py", "test_lanes.py"}
+LANE_TEST = "test_unit_tests_beside_the_notebooks_pass"
+LANE_LOG = ROOT / "_build" / "unit-lane.log"
+_lanes: list = []
+
+
+@dataclass
+class Lane:
+    process: subprocess.Popen
+    files: list[str]
+    log: Path
+
+
+def _launch_lane(files: list[str]) -> Lane:
+    env = dict(os.environ, KVCV_LANE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    if hasattr(os, "nice"):  # below the notebooks: the lane takes the time they leave
+        cmd = ["nice", "-n", "10", *cmd]
+    LANE_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with LANE_LOG.open("w") as log:
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return Lane(process, files, LANE_LOG)
+
+
+@pytest.fixture(scope="session")
+def unit_lane() -> Lane | None:
+    """The unit lane started at collection, or None when this session runs the unit tests itself."""
+    return _lanes[0] if _lanes else None
 
 
 PORTABILITY_TEST = "test_notebooks_and_results_hold_under_other_kernels_and_threads"
@@ -123,7 +165,7 @@ def portability_pass():
 
 def pytest_sessionfinish(session, exitstatus):
     """Never leave the background pass running (an interrupted session, or its test deselected)."""
-    for run in _portability:
+    for run in [*_portability, *_lanes]:
         if run.process.poll() is None:
             run.process.kill()
             run.process.wait()
