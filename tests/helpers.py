@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from labcode import GPT, GPTConfig
 from labcode.caches import (
@@ -23,6 +24,21 @@ from labcode.caches.base import states_equal
 from labcode.engines import BlockPool, CellsCache, PagedCache, QuantizedCache, ScatteredCache
 
 TOL64 = 1e-12  # float64 equivalence: the course's bar
+
+# The property tests: 200 derandomized examples each (the same schedules on every run), no deadline.
+PROPERTY = settings(max_examples=200, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def property_configs(context_length: int) -> list[GPTConfig]:
+    """Tiny models that differ in what a cache could get wrong: heads, KV heads, depth, rotary positions."""
+    return [
+        GPTConfig(vocab_size=11, context_length=context_length, n_layers=2, n_heads=2, d_model=8),
+        GPTConfig(vocab_size=11, context_length=context_length, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16),
+        GPTConfig(vocab_size=11, context_length=context_length, n_layers=3, n_heads=4, n_kv_heads=1, d_model=8),
+        GPTConfig(vocab_size=11, context_length=context_length, n_layers=2, n_heads=2, n_kv_heads=1, d_model=8,
+                  rotary=True),
+    ]
 
 # kind -> (model, room, batch) -> an empty cache for `model` that holds `room` positions of `batch` rows without
 # dropping any. The window caches get exactly `room` slots (a test that wants drops gives a smaller room).

@@ -9,8 +9,8 @@ import copy
 
 import pytest
 import torch
-from helpers import build
-from hypothesis import HealthCheck, given, settings
+from helpers import PROPERTY, build, property_configs
+from hypothesis import given
 from hypothesis import strategies as st
 
 from labcode import GPT, GPTConfig
@@ -18,14 +18,7 @@ from labcode.caches import ConcatCache, GrowableCache, ModuleStateCache, PairsCa
 from labcode.generate import generate, generate_nocache
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
-PROPERTY = settings(max_examples=200, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-CONFIGS = [  # tiny, and different in what a cache could get wrong: heads, KV heads, depth, rotary positions
-    GPTConfig(vocab_size=11, context_length=20, n_layers=2, n_heads=2, d_model=8),
-    GPTConfig(vocab_size=11, context_length=20, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16),
-    GPTConfig(vocab_size=11, context_length=20, n_layers=3, n_heads=4, n_kv_heads=1, d_model=8),
-    GPTConfig(vocab_size=11, context_length=20, n_layers=2, n_heads=2, n_kv_heads=1, d_model=8, rotary=True),
-]
+CONFIGS = property_configs(context_length=20)
 
 
 def _build(cfg: GPTConfig, seed: int) -> dict:

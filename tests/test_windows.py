@@ -14,8 +14,8 @@ import functools
 
 import pytest
 import torch
-from helpers import TOL64, build, max_diff, rejected, run_chunks
-from hypothesis import HealthCheck, given, settings
+from helpers import PROPERTY, TOL64, build, max_diff, property_configs, rejected, run_chunks
+from hypothesis import given
 from hypothesis import strategies as st
 
 from labcode import GPT, GPTConfig, get_config
@@ -33,14 +33,7 @@ from labcode.config import PRESETS
 from labcode.generate import generate, generate_nocache, prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_grad")  # both defined in conftest.py
-PROPERTY = settings(max_examples=200, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-CONFIGS = [  # tiny, and different in what a cache could get wrong: heads, KV heads, depth, rotary positions
-    GPTConfig(vocab_size=11, context_length=28, n_layers=2, n_heads=2, d_model=8),
-    GPTConfig(vocab_size=11, context_length=28, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16),
-    GPTConfig(vocab_size=11, context_length=28, n_layers=3, n_heads=4, n_kv_heads=1, d_model=8),
-    GPTConfig(vocab_size=11, context_length=28, n_layers=2, n_heads=2, n_kv_heads=1, d_model=8, rotary=True),
-]
+CONFIGS = property_configs(context_length=28)
 
 
 @functools.cache
