@@ -10,6 +10,7 @@ result with its comparison. An honest machine passes both; a broken cache fails 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from conftest import ROOT
 ORDER = ["DEFAULT", "VSX", "ZVECTOR", "SVE128", "SVE256", "AVX2", "AVX512"]
 
 
+@functools.cache
 def native_capability() -> str:
     """The kernel set PyTorch picks on this CPU when nothing forces one."""
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
