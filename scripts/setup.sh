@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 venv="${KVCV_VENV:-.venv}"
 py="${PYTHON:-python3}"
+uv_pin="uv==0.13.9"  # the installer, pinned like everything else
 stamp="$venv/.kvcv-installed-$("$py" -c 'import hashlib, sys; print(hashlib.sha256(open("requirements.lock", "rb").read() + open("pyproject.toml", "rb").read()).hexdigest()[:16])')"
 
 quiet_pip() {  # pip, without the per-package notes some machines' pip configs print
@@ -14,29 +15,43 @@ quiet_pip() {  # pip, without the per-package notes some machines' pip configs p
   return "${PIPESTATUS[0]}"
 }
 
+# Chromium for the browser tests installs in the background while the Python packages install.
+chromium_job=""
+if [ -n "${KVCV_CHROMIUM:-}" ]; then
+  echo "setup: the browser tests will drive $KVCV_CHROMIUM (KVCV_CHROMIUM)"
+elif [ ! -x /usr/bin/chromium ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium for the browser tests (in the background)"
+    sudo_cmd=""
+    [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+    { $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq chromium >/dev/null; } &
+    chromium_job=$!
+  else
+    echo "setup: no apt-get here, so no Chromium: the browser tests will be skipped (they are required in CI)"
+  fi
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv with $($py --version)"
   "$py" -m venv "$venv"
 fi
 if [ ! -e "$stamp" ]; then
-  echo "setup: installing the locked requirements into $venv (about a minute and a half the first time)"
-  quiet_pip install -q --disable-pip-version-check -r requirements.lock
-  quiet_pip install -q --disable-pip-version-check --no-deps -e .
+  echo "setup: installing the locked requirements into $venv (about a minute the first time)"
+  # pip installs torch (it finds the CPU build where the machine provides one) and the installer uv.
+  # uv installs the rest of the lock in parallel and finds torch already satisfied. Neither compiles
+  # bytecode ahead: Python compiles what is imported, once. pip does it all if uv fails.
+  quiet_pip install -q --no-compile "$uv_pin" "$(grep -E '^torch==' requirements.lock)"
+  uv=("$venv/bin/python" -m uv pip install -q --python "$venv/bin/python")
+  if ! "${uv[@]}" -r requirements.lock; then
+    echo "setup: uv failed; installing with pip instead (about three minutes)"
+    quiet_pip install -q --no-compile -r requirements.lock
+  fi
+  "${uv[@]}" --no-deps -e . || quiet_pip install -q --no-deps -e .
   rm -f "$venv"/.kvcv-installed-*
   touch "$stamp"
 fi
 
-if [ -n "${KVCV_CHROMIUM:-}" ]; then
-  echo "setup: the browser tests will drive $KVCV_CHROMIUM (KVCV_CHROMIUM)"
-elif [ ! -x /usr/bin/chromium ]; then
-  if command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing Debian's chromium for the browser tests (about a minute)"
-    sudo_cmd=""
-    [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-    $sudo_cmd apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq chromium >/dev/null
-  else
-    echo "setup: no apt-get here, so no Chromium: the browser tests will be skipped (they are required in CI)"
-  fi
+if [ -n "$chromium_job" ]; then
+  wait "$chromium_job" || { echo "setup: installing chromium failed" >&2; exit 1; }
 fi
 echo "setup: environment ready in $venv"

@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -316,14 +315,32 @@ def test_the_launcher_stops_a_job_past_its_deadline():
     assert multiprocessing.active_children() == []
 
 
-def test_jobs_launched_at_once_get_their_own_ports():
-    found = {}
-    threads = [threading.Thread(target=lambda i=i: found.update({i: launch(jobs.hello_job, 2)})) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [r["sum"] for i in range(3) for r in found[i]] == [3.0] * 6
+def _launch_hello(start, out: str) -> None:
+    """One launcher process: wait for the others, launch a 2-rank job, write its sums."""
+    start.wait(timeout=60)
+    try:
+        sums = [r["sum"] for r in launch(jobs.hello_job, 2, timeout=60)]
+    except BaseException as e:  # noqa: BLE001 - reported through the file, read by the test
+        sums = repr(e)
+    Path(out).write_text(json.dumps(sums))
+    os._exit(0)
+
+
+def test_jobs_launched_at_once_get_their_own_ports(tmp_path):
+    # Three launchers in three processes (as parallel test workers are), released together: each job's
+    # store binds its own port, so no rank joins another job's group. Threads would not do: a forked
+    # rank copies only the thread that forked it, with any lock another thread held at that moment.
+    context = multiprocessing.get_context("fork")
+    start = context.Event()
+    outs = [tmp_path / f"job{i}.json" for i in range(3)]
+    procs = [context.Process(target=_launch_hello, args=(start, str(out))) for out in outs]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert [json.loads(out.read_text()) for out in outs] == [[3.0, 3.0]] * 3
 
 
 def test_launch_refuses_bad_arguments():

@@ -72,6 +72,8 @@ def launch(fn: Callable, nprocs: int, *args, timeout: float = 300.0, method: str
     Returns what each rank returned, in rank order (`fn` must be importable, and its result
     picklable, for the spawn method). Raises LaunchError if a rank raises or exits early (the other
     ranks are stopped) or if the job runs past `timeout` seconds (every rank is stopped).
+    Start jobs that run at the same time from separate processes, not threads: a forked rank copies
+    only the thread that forked it, and a lock another thread held at that instant stays held in it.
     """
     if not callable(fn):
         fail("fn", "a function fn(rank, world, *args)", type(fn).__name__)
