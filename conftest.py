@@ -35,6 +35,11 @@ ROOT = Path(__file__).resolve().parent
 # optional GPT-2 cell then skips itself on every machine (the notebooks' kernels inherit this).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = str(ROOT / "_build" / "empty-hf-home")
+# The suite runs several Python processes on the same cores (notebook kernels, the portability pass,
+# the unit lane). By default a torch (OpenMP) thread that waits for its peers spins for a while; with
+# every core busy, spinning threads take the cores their peers need, and small operations run tens of
+# times slower. Waiting threads sleep instead: a change of timing, never of a result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 BOOK_OUT = ROOT / "_build" / "test-book"
 EXECUTED = ROOT / "_build" / "test-executed"  # notebooks as nbval executed them in this session
 STAGE = ROOT / "_build" / "test-source"  # the book's sources, with those executions in place

@@ -88,8 +88,8 @@ def test_page_loads_cleanly_with_maths_and_images(page: Page, book_server, doc):
         "() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
     )
     assert not broken, f"{doc}: images that did not load: {broken}"
+    measure(page, doc)  # for the tests below, while the page is open
     watch.assert_clean(doc)
-    measure(page, doc)  # for the layout tests below, while the page is open
 
 
 def test_maths_is_typeset_on_the_explorer_page(page: Page, book_server):
@@ -141,25 +141,34 @@ def test_search_summaries_are_article_text_without_latex(page: Page, book_server
     watch.assert_clean("search summaries")
 
 
-def test_solutions_are_hidden_until_clicked(page: Page, book_server):
+def solutions_hidden_until_clicked(page: Page, doc: str) -> tuple[int, list[str]]:
+    """Open every exercise solution of a loaded page with a click: (how many opened, problems found).
+    A solution must start closed and hidden, and show its content after one click on its chevron."""
+    solutions = page.locator("div.solution.dropdown")
+    opened, problems = 0, []
+    for i in range(solutions.count()):
+        sol = solutions.nth(i)
+        body = sol.locator(":scope > :not(.admonition-title)").first
+        button = sol.locator(".toggle-button").first
+        if button.get_attribute("aria-expanded") != "false":
+            problems.append(f"{doc}: solution {i} is open")
+        if body.is_visible():
+            problems.append(f"{doc}: solution {i} is visible before a click")
+        button.click()  # the chevron; the title's own text links back to the exercise
+        if button.get_attribute("aria-expanded") != "true":
+            problems.append(f"{doc}: solution {i} did not open on a click")
+        body.wait_for(state="visible", timeout=5000)
+        opened += 1
+    return opened, problems
+
+
+def test_solutions_are_hidden_until_clicked(measured_pages):
     if not CHAPTERS:
         pytest.skip("no chapter notebooks in _toc.yml yet")
-    opened = 0
-    for doc in CHAPTERS:
-        watch = open_page(page, book_server, doc)
-        solutions = page.locator("div.solution.dropdown")
-        for i in range(solutions.count()):
-            sol = solutions.nth(i)
-            body = sol.locator(":scope > :not(.admonition-title)").first
-            button = sol.locator(".toggle-button").first
-            assert button.get_attribute("aria-expanded") == "false", f"{doc}: solution {i} is open"
-            assert not body.is_visible(), f"{doc}: solution {i} is visible before a click"
-            button.click()  # the chevron; the title's own text links back to the exercise
-            assert button.get_attribute("aria-expanded") == "true"
-            body.wait_for(state="visible", timeout=5000)
-            opened += 1
-        watch.assert_clean(doc)
-    assert opened >= 1, "no chapter has an exercise solution in a dropdown"
+    problems = [p for doc in CHAPTERS for p in measured_pages[doc]["solutions"][1]]
+    assert not problems, problems
+    assert sum(measured_pages[doc]["solutions"][0] for doc in CHAPTERS) >= 1, \
+        "no chapter has an exercise solution in a dropdown"
 
 
 # ---- everything fits: code, outputs, tables and equations; figures with alt text and captions ----
@@ -283,9 +292,11 @@ _MEASURED: dict[str, dict] = {}  # page -> what measure() found; filled by the f
 
 def measure(page: Page, doc: str) -> None:
     """Measure a loaded page (maths typeset) at the desktop width and, resized without a second
-    load, at the phone width; keep what was found in _MEASURED for the tests below."""
+    load, at the phone width; keep what was found in _MEASURED for the tests below. Exercise
+    solutions are opened first (solutions_hidden_until_clicked), so they are measured open."""
     page.set_viewport_size({"width": DESKTOP, "height": 900})
-    found = {"images": page.evaluate(IMAGES_JS), DESKTOP: page.evaluate(OVERFLOW_JS, True),
+    found = {"solutions": solutions_hidden_until_clicked(page, doc),
+             "images": page.evaluate(IMAGES_JS), DESKTOP: page.evaluate(OVERFLOW_JS, True),
              "loaded_images": page.evaluate("() => [...document.images].filter(i => i.naturalWidth > 0).length")}
     page.set_viewport_size({"width": PHONE, "height": 844})
     found[PHONE] = page.evaluate(OVERFLOW_JS, False)

@@ -30,6 +30,7 @@ from labcode.hf import (
     hf_state_dict,
     load_pretrained_gpt2,
     main,
+    pretrained_available,
     to_hf,
 )
 from labcode.tokenizer import CharTokenizer
@@ -273,8 +274,28 @@ def test_pretrained_path_reads_the_local_cache_only_unless_asked(monkeypatch):
         load_pretrained_gpt2("gpt2")
     with pytest.raises(PretrainedUnavailable, match="in the local Hugging Face cache or on the Hub, got none"):
         load_pretrained_gpt2("gpt2", download=True)
-    assert seen == [{"local_files_only": True}, {"local_files_only": False}]
+    # Without download=True the cache is looked up first (no transformers import) and transformers is
+    # never asked; with it, transformers is asked to fetch.
+    assert seen == [{"local_files_only": False}]
     assert main(["--download", "gpt2"]) == 1
+
+
+def test_pretrained_available_looks_in_folders_and_the_cache_only(tmp_path):
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    assert not pretrained_available(str(folder))  # a folder without a config.json
+    (folder / "config.json").write_text("{}")
+    assert pretrained_available(str(folder))
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--kvcv-test--cached" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (cache / "models--kvcv-test--cached" / "refs").mkdir()
+    (cache / "models--kvcv-test--cached" / "refs" / "main").write_text("abc123")
+    assert not pretrained_available("kvcv-test/cached", cache_dir=cache)  # the snapshot lacks config.json
+    (snapshot / "config.json").write_text("{}")
+    assert pretrained_available("kvcv-test/cached", cache_dir=cache)
+    assert not pretrained_available("kvcv-test/absent-model", cache_dir=cache)
+    assert not pretrained_available("not a / valid name", cache_dir=cache)
 
 
 @pytest.mark.parametrize("download", [False, True])
