@@ -1,20 +1,25 @@
-"""Diagrams of the engines' data structures, drawn from the objects themselves.
+"""Diagrams of the caches' data structures, drawn from the objects themselves.
 
-Introduced in chapter 9. A view (`paged_view`, `cells_view`) copies what a diagram needs from
-live caches at one moment; `draw_paged` and `draw_cells` draw a view on a matplotlib axes in the
-book's style (`labcode.plotting`). Drawn from the objects, a diagram cannot drift from the code.
+Introduced in chapter 5 (`buffer_history` and `draw_buffers`: a cache's key buffer after each pass)
+and used again in chapter 9 (`paged_view`, `cells_view`: the engines' block pools and cells). A view
+copies what a diagram needs from live caches; a `draw_` function draws it on a matplotlib axes in
+the book's style (`labcode.plotting`). Drawn from the objects, a diagram cannot drift from the code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labcode.caches.base import CacheError
+import torch
+
+from labcode.caches.base import CacheError, KVCache
 from labcode.checks import fail
 from labcode.engines.cells import CellsCache
 from labcode.engines.paged import PagedCache
 from labcode.plotting import COLOURS, INK
 
+NEW, COPIED = COLOURS[0], COLOURS[1]  # buffer diagrams: rows a pass wrote; old rows it copied or moved
 SHARED = COLOURS[0]  # a block or cell held by several sequences
 OWN = COLOURS[1:5]  # then one colour per sequence
 FREE = "#9aa0a8"  # outlines of free blocks and empty cells
@@ -173,3 +178,118 @@ def cells_legend(ax, names: str) -> None:
                for i, n in enumerate(names)]
     ax.legend(handles=handles, loc="upper right", ncol=len(names), fontsize=8.5, handlelength=1.2,
               bbox_to_anchor=(1.0, 1.0), borderaxespad=0.0)
+
+
+# -- one layer's key buffer, pass after pass (chapter 5) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class BufferRow:
+    """One layer's key buffer after one pass: what `draw_buffers` draws as one row of slots."""
+
+    slots: tuple[int | None, ...]  # the position each slot holds, None for a slot that holds none
+    new: tuple[int, ...]  # the slots this pass wrote its own positions into
+    copied: tuple[int, ...]  # the slots holding old positions that this pass copied or moved there
+    rows_copied: int  # old rows the pass copied or moved, as the cache counts them (a growth copies empty slots too)
+    dropped: int  # positions this pass dropped
+    t_new: int  # positions this pass brought
+
+
+def _held(cache: KVCache) -> list[int | None]:
+    """The position held by each slot of layer 0's key buffer (the keys are their positions)."""
+    keys = cache.k[0]
+    if keys is None:
+        return []
+    values = [int(x) for x in keys[0, 0, :, 0].tolist()]
+    if hasattr(cache, "slot_pos"):  # a ring: each slot says which position it holds (-1: none)
+        return [v if int(p) >= 0 else None for v, p in zip(values, cache.slot_pos.tolist(), strict=True)]
+    if hasattr(cache, "ptr"):  # a preallocated buffer: the first ptr slots are held
+        return [v if j < cache.ptr else None for j, v in enumerate(values)]
+    return values  # a concatenated tensor holds every row
+
+
+def buffer_history(cache: KVCache, chunks: Sequence[int]) -> list[BufferRow]:
+    """Feed a new one-layer `cache` passes of `chunks` positions, each key equal to its position
+    (B = Hkv = D = 1, float64), and return its buffer after every pass.
+
+    A slot counts as copied when it holds an old position at a new place or in new storage (a `cat`
+    copies every old row, a growth copies the whole buffer, a shift moves the rows it keeps). Raises
+    CacheError if the cache's own count (`rows_copied`) is smaller than the slots show.
+    """
+    if not (isinstance(cache, KVCache) and cache.n_layers == 1 and cache.position == 0):
+        fail("cache", "a new cache of one layer", cache, CacheError)
+    rows, start = [], 0
+    for t in chunks:
+        storage = cache.k[0].data_ptr() if cache.k[0] is not None else None
+        before_slots, before_copied = _held(cache), cache.rows_copied
+        keys = torch.arange(start, start + t, dtype=torch.float64).view(1, 1, t, 1)
+        cache.feed(keys, -keys)
+        slots = _held(cache)
+        fresh = storage != cache.k[0].data_ptr()  # a new tensor: every old row was copied into it
+        new = tuple(j for j, p in enumerate(slots) if p is not None and p >= start)
+        copied = tuple(j for j, p in enumerate(slots) if p is not None and p < start
+                       and (fresh or j >= len(before_slots) or before_slots[j] != p))
+        count = (cache.rows_copied - before_copied) // 2 - t  # K and V are both counted; minus the writes
+        if count < len(copied):
+            fail("cache", f"rows_copied to count the {len(copied)} old rows it copied", count, CacheError)
+        rows.append(BufferRow(tuple(slots), new, copied, count, getattr(cache, "last_dropped", 0), t))
+        start += t
+    return rows
+
+
+def draw_buffers(ax, rows: Sequence[BufferRow], title: str = "", width: int | None = None) -> None:
+    """One row of slots per pass, top to bottom: each slot shows the position it holds, filled when
+    the pass wrote it (new) or copied it (old); the right margin says what the pass did. `width`:
+    the slots drawn per row (default: the widest buffer)."""
+    width = max((len(r.slots) for r in rows), default=0) if width is None else width
+    row_h, label_w = 1.45, 2.2  # between rows; the pass label's column, in slot widths
+    for i, row in enumerate(rows):
+        y = -i * row_h
+        ax.text(-0.3, y + 0.5, f"+{row.t_new}", ha="right", va="center", fontsize=10, color=INK)
+        for j in range(width):
+            if j >= len(row.slots):
+                continue
+            pos = row.slots[j]
+            fill = NEW if j in row.new else COPIED if j in row.copied else None
+            _box(ax, j, y, 1, 1, fill, edge=INK if pos is not None else FREE, alpha=0.35)
+            ax.text(j + 0.5, y + 0.5, "·" if pos is None else str(pos), ha="center", va="center", fontsize=10,
+                    color=INK if pos is not None else FREE)
+        notes = [f"copied {row.rows_copied}"] if row.rows_copied else []
+        notes += [f"dropped {row.dropped}"] if row.dropped else []
+        ax.text(width + 0.35, y + 0.5, ", ".join(notes), ha="left", va="center", fontsize=9.5, color=INK)
+    top = 1.25 + (0.75 if title else 0)
+    ax.set(xlim=(-label_w, width + 6.2), ylim=(-(len(rows) - 1) * row_h - 0.25, top))
+    if title:
+        ax.text(-label_w, top - 0.05, title, ha="left", va="top", fontsize=10.5, color=INK, fontweight="bold")
+    ax.set_aspect("equal")
+    ax.set_axis_off()
+
+
+def buffers_legend(ax) -> None:
+    """The legend of `draw_buffers`: new rows, copied or moved rows, free slots."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=NEW, alpha=0.35, edgecolor=INK, linewidth=0.6, label="written by the pass"),
+               Patch(facecolor=COPIED, alpha=0.35, edgecolor=INK, linewidth=0.6, label="old, copied or moved"),
+               Patch(facecolor="none", edgecolor=FREE, linewidth=0.6, label="free slot")]
+    ax.legend(handles=handles, loc="lower center", ncol=3, fontsize=9.5, handlelength=1.2,
+              bbox_to_anchor=(0.5, 1.0), borderaxespad=0.2)
+
+
+def buffers_figure(histories: dict[str, Sequence[BufferRow]], width: float = 5.2):
+    """A figure of one `draw_buffers` panel per history (title -> rows), stacked, all drawn to the scale
+    of the widest buffer, with the legend on top. Returns the figure."""
+    from labcode.plotting import figure
+
+    if not (isinstance(histories, dict) and histories):
+        fail("histories", "a dict of one or more titles -> buffer_history rows", histories, CacheError)
+    slots = max((len(r.slots) for rows in histories.values() for r in rows), default=1)
+    units = [len(rows) * 1.45 + 1.3 for rows in histories.values()]  # each panel's height in slot widths
+    per_unit = width / (slots + 8.4)  # inches per slot width, from draw_buffers' x range
+    fig, axes = figure(len(histories), 1, height=sum(units) * per_unit + 0.45, width=width,
+                       gridspec_kw={"height_ratios": units})
+    axes = [axes] if len(histories) == 1 else list(axes)
+    for ax, (title, rows) in zip(axes, histories.items(), strict=True):
+        draw_buffers(ax, rows, title, width=slots)
+    buffers_legend(axes[0])
+    return fig

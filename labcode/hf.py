@@ -4,25 +4,27 @@ Introduced in chapter 9. The course's model is GPT-2 exactly: the same learned p
 pre-LayerNorm blocks (eps 1e-5), tanh-approximated GELU and tied output head. Only the storage
 differs: the course keeps `q_proj` and `kv_proj` as `nn.Linear` ([out, in]); GPT-2 keeps one
 fused `c_attn` (Q, K, V in that order) and stores every projection as `Conv1D` ([in, out]).
-`load_pretrained_gpt2` brings OpenAI's weights into the course model for readers who are online;
-it never downloads unless asked to.
+`load_pretrained_gpt2` (in `labcode.pretrained`, which imports this module only when the weights are
+there) brings OpenAI's weights into the course model for readers who are online; it never downloads
+unless asked to.
 """
 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import TqdmWarning
 
-if TYPE_CHECKING:
+with warnings.catch_warnings():  # in a notebook without ipywidgets, transformers' tqdm.auto warns on import
+    warnings.simplefilter("ignore", TqdmWarning)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-from labcode.checkpoint import default_device
 from labcode.config import GPTConfig
 from labcode.model import GPT
+from labcode.pretrained import PretrainedUnavailable as PretrainedUnavailable  # re-exported: the CLI below
+from labcode.pretrained import load_pretrained_gpt2 as load_pretrained_gpt2
+from labcode.pretrained import pretrained_available as pretrained_available
 
 # Both spell GPT-2's tanh approximation of GELU (the course's `nn.GELU(approximate="tanh")`):
 # "gelu_new" is OpenAI's formula written out, "gelu_pytorch_tanh" calls the same PyTorch kernel.
@@ -39,15 +41,6 @@ def _expect(ok: bool, argument: str, expected: str, got: object) -> None:
         raise ConversionError(f"{argument}: expected {expected}, got {got!r}")
 
 
-def _transformers():
-    """The transformers package, imported on first use (several seconds): a reader who only asks
-    whether GPT-2's weights are on the machine never pays for it."""
-    with warnings.catch_warnings():  # in a notebook without ipywidgets, transformers' tqdm.auto warns on import
-        warnings.simplefilter("ignore", TqdmWarning)
-        import transformers
-    return transformers
-
-
 # -- configs ----------------------------------------------------------------------------------------
 
 def hf_config(cfg: GPTConfig) -> GPT2Config:
@@ -57,7 +50,7 @@ def hf_config(cfg: GPTConfig) -> GPT2Config:
             cfg.rotary)
     _expect(cfg.n_kv_heads == cfg.n_heads, "cfg.n_kv_heads",
             f"n_heads = {cfg.n_heads} (GPT-2 has no grouped-query attention)", cfg.n_kv_heads)
-    return _transformers().GPT2Config(
+    return GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.context_length, n_embd=cfg.d_model, n_layer=cfg.n_layers,
         n_head=cfg.n_heads, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
         # The course has one dropout rate, applied where GPT-2 applies its three.
@@ -149,7 +142,7 @@ def to_hf(model: GPT, attn_implementation: str | None = None) -> GPT2LMHeadModel
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     with torch.device("meta"):  # no random init of weights that are overwritten at once
-        hf = _transformers().GPT2LMHeadModel(config)
+        hf = GPT2LMHeadModel(config)
     state = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in hf_state_dict(model).items()}
     hf.load_state_dict(state, strict=True, assign=True)
     hf.tie_weights()  # assign=True replaced the tied head with its own copy; share the embedding again
@@ -171,7 +164,7 @@ def _no_meta(module: torch.nn.Module, where: str) -> None:
 
 def from_hf(hf_model: GPT2LMHeadModel) -> GPT:
     """The course model computing what `hf_model` computes: same weights (copied), dtype, device, train/eval mode."""
-    _expect(isinstance(hf_model, _transformers().GPT2LMHeadModel), "hf_model", "a transformers GPT2LMHeadModel",
+    _expect(isinstance(hf_model, GPT2LMHeadModel), "hf_model", "a transformers GPT2LMHeadModel",
             type(hf_model).__name__)
     cfg = gpt_config(hf_model.config)
     state = hf_model.state_dict()
@@ -217,49 +210,6 @@ class HFTokenizer:
         if bad:
             raise ValueError(f"ids: expected values in [0, {self.vocab_size}), got {bad[0]!r}")
         return self.tokenizer.decode(ids)
-
-
-class PretrainedUnavailable(OSError):
-    """The pretrained weights are neither in the local Hugging Face cache nor downloadable now."""
-
-
-def pretrained_available(name: str, cache_dir: str | Path | None = None) -> bool:
-    """Whether the weights `name` are on this machine: a local folder holding a config.json, or a model
-    whose config.json is in the Hugging Face cache (`cache_dir`, default: the user's). Asks no network."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
-
-    if Path(name).is_dir():
-        return (Path(name) / "config.json").is_file()
-    try:
-        found = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir)
-    except HFValidationError:  # not a valid repository name either
-        return False
-    return isinstance(found, str)
-
-
-def load_pretrained_gpt2(name: str = "gpt2", *, download: bool = False, dtype: torch.dtype = torch.float32,
-                         device: str | torch.device | None = None) -> tuple[GPT, HFTokenizer]:
-    """OpenAI's GPT-2 (`name`: "gpt2", "gpt2-medium", ..., or a local folder) as a course model, with its tokenizer.
-
-    Reads the local Hugging Face cache only, unless `download=True` (the 124M "gpt2" is about 550 MB).
-    Raises PretrainedUnavailable when the files are not there. Returns the model in eval mode.
-    """
-    where = "in the local Hugging Face cache or on the Hub" if download else "in the local Hugging Face cache"
-    hint = "" if download else " (download them once: python -m labcode.hf --download " + name + ")"
-    if not download and not pretrained_available(name):  # answered without importing transformers
-        raise PretrainedUnavailable(f"name: expected GPT-2 weights {name!r} {where}, got none{hint}")
-    transformers = _transformers()
-    try:
-        hf = transformers.GPT2LMHeadModel.from_pretrained(name, local_files_only=not download)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name, local_files_only=not download)
-    except OSError as e:  # transformers and huggingface_hub report missing files and no network as OSError
-        raise PretrainedUnavailable(f"name: expected GPT-2 weights {name!r} {where}, got none{hint}: {e}") from e
-    tok = HFTokenizer(tokenizer)
-    _expect(tok.vocab_size <= hf.config.vocab_size, "tokenizer", f"at most the model's {hf.config.vocab_size} ids",
-            tok.vocab_size)
-    model = from_hf(hf).to(device=default_device() if device is None else torch.device(device), dtype=dtype)
-    return model.eval(), tok
 
 
 def main(argv: list[str] | None = None) -> int:

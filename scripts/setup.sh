@@ -37,15 +37,22 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ ! -e "$stamp" ]; then
   echo "setup: installing the locked requirements into $venv (about a minute the first time)"
-  # pip installs torch (it finds the CPU build where the machine provides one) and the installer uv.
-  # uv installs the rest of the lock in parallel and finds torch already satisfied. Neither compiles
-  # bytecode ahead: Python compiles what is imported, once. pip does it all if uv fails.
+  # pip installs torch (it finds the CPU build where the machine provides one) and the installer uv;
+  # uv installs the rest of the lock in parallel, finds torch already satisfied, and compiles what it
+  # installs to bytecode. torch and its dependencies are compiled meanwhile, on every core: where
+  # PYTHONDONTWRITEBYTECODE is set, nothing compiled later is kept, and each process would compile
+  # torch again. pip does it all if uv fails.
   quiet_pip install -q --no-compile "$uv_pin" "$(grep -E '^torch==' requirements.lock)"
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$venv/bin/python" -m compileall -q -j 0 "$site/torch" "$site/sympy" "$site/networkx" "$site/mpmath" \
+    "$site/jinja2" >/dev/null 2>&1 &
+  compile_job=$!
   uv=("$venv/bin/python" -m uv pip install -q --python "$venv/bin/python")
-  if ! "${uv[@]}" -r requirements.lock; then
+  if ! "${uv[@]}" --compile-bytecode -r requirements.lock; then
     echo "setup: uv failed; installing with pip instead (about three minutes)"
-    quiet_pip install -q --no-compile -r requirements.lock
+    quiet_pip install -q -r requirements.lock
   fi
+  wait "$compile_job" || true  # a file that does not compile is compiled, and fails, when imported
   "${uv[@]}" --no-deps -e . || quiet_pip install -q --no-deps -e .
   rm -f "$venv"/.kvcv-installed-*
   touch "$stamp"

@@ -278,6 +278,23 @@ IMAGES_JS = r"""
 })
 """
 
+# Diagrams (img.kvcv-diagram, book/_static/kvcv.css): their width as shown and as drawn, and whether
+# their figure scrolls sideways and shows that it does.
+DIAGRAMS_JS = r"""
+() => [...document.querySelectorAll("article.bd-article figure img.kvcv-diagram")].map((img) => {
+  const figure = img.closest("figure");
+  const cs = getComputedStyle(figure);
+  return {
+    src: img.getAttribute("src") || "",
+    shown: img.getBoundingClientRect().width,
+    natural: img.naturalWidth,
+    scrolls: figure.scrollWidth > figure.clientWidth + 1,
+    afforded: /gradient/.test(cs.backgroundImage) && /local/.test(cs.backgroundAttachment)
+      && (cs.overflowX === "auto" || cs.overflowX === "scroll"),
+  };
+})
+"""
+
 FIX_HINTS = {
     "scrolls sideways": "format the notebook's code to 88 columns (ruff format), show tables with "
     "labcode.display.show_table and keep them to what fits",
@@ -300,6 +317,7 @@ def measure(page: Page, doc: str) -> None:
              "loaded_images": page.evaluate("() => [...document.images].filter(i => i.naturalWidth > 0).length")}
     page.set_viewport_size({"width": PHONE, "height": 844})
     found[PHONE] = page.evaluate(OVERFLOW_JS, False)
+    found["phone_diagrams"] = page.evaluate(DIAGRAMS_JS)
     page.set_viewport_size({"width": DESKTOP, "height": 900})
     _MEASURED[doc] = found
 
@@ -393,6 +411,20 @@ def test_every_image_has_alt_text_and_a_numbered_caption(measured_pages):
         + '\nto fix: cell metadata "mystnb": {"figure": {"caption": ..., "name": ...}, "image": {"alt": ...}} '
         "(labcode.plotting.caption_metadata), or glue the figure and show it with {glue:figure} and :alt:"
     )
+
+
+def test_diagrams_keep_their_size_on_a_phone_and_scroll_visibly(measured_pages):
+    """A diagram's small print (slots, positions, block numbers) stays at the size it was drawn at on a
+    phone: its figure scrolls sideways instead, with the scroll shadows (book/_static/kvcv.css)."""
+    diagrams = [(doc, d) for doc in CHAPTERS for d in measured_pages[doc]["phone_diagrams"]]
+    if CHAPTERS:
+        assert diagrams, "no chapter shows a diagram (an image with the class kvcv-diagram)"
+    shrunk = [f"{doc}: {d['src'][-20:]} shown {d['shown']:.0f} px of {d['natural']}" for doc, d in diagrams
+              if abs(d["shown"] - d["natural"]) > 1]
+    unmarked = [f"{doc}: {d['src'][-20:]}" for doc, d in diagrams if d["scrolls"] and not d["afforded"]]
+    assert not shrunk, f"diagrams shrunk on a phone: {shrunk}"
+    assert not unmarked, f"diagrams that scroll on a phone with nothing to show that they do: {unmarked}"
+    assert any(d["scrolls"] for _, d in diagrams), "no diagram is wider than a phone: the scrolling above went untested"
 
 
 def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):

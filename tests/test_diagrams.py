@@ -1,4 +1,5 @@
-"""Chapter 9's diagrams (`labcode.diagrams`) show the caches' real state: views copy it, drawings show it."""
+"""The diagrams of chapters 5 and 9 (`labcode.diagrams`) show the caches' real state: views copy it, drawings
+show it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ import pytest
 import torch
 from matplotlib.patches import FancyArrowPatch, Polygon
 
-from labcode.caches import CacheError
-from labcode.diagrams import cells_view, draw_cells, draw_paged, paged_view
+from labcode.caches import CacheError, ConcatCache, GrowableCache, RingCache, WindowCache
+from labcode.diagrams import (
+    buffer_history,
+    buffers_figure,
+    cells_view,
+    draw_buffers,
+    draw_cells,
+    draw_paged,
+    paged_view,
+)
 from labcode.engines import BlockPool, CellsCache, PagedCache
 
 
@@ -91,3 +100,68 @@ def test_cells_view_and_drawing_show_owners_positions_and_head():
         cells_view(cache, names="AB")
     with pytest.raises(CacheError, match=r"cache: expected a CellsCache, got PagedCache"):
         cells_view(PagedCache(BlockPool(1, 2, 2)))
+
+
+# -- chapter 5: one layer's key buffer after each pass ------------------------------------------------
+
+CHUNKS = (3, 1, 2, 1, 4)
+
+
+def test_buffer_history_of_the_window_shows_the_shift_and_the_drops():
+    rows = buffer_history(WindowCache(1, 4), CHUNKS)
+    assert [r.slots for r in rows] == [(0, 1, 2, None), (0, 1, 2, 3), (2, 3, 4, 5), (3, 4, 5, 6), (7, 8, 9, 10)]
+    assert [r.new for r in rows] == [(0, 1, 2), (3,), (2, 3), (3,), (0, 1, 2, 3)]
+    assert [r.copied for r in rows] == [(), (), (0, 1), (0, 1, 2), ()]  # the kept rows moved to the front
+    assert [r.rows_copied for r in rows] == [0, 0, 2, 3, 0]
+    assert [r.dropped for r in rows] == [0, 0, 2, 1, 4]
+
+
+def test_buffer_history_of_concat_and_growable_shows_every_copy():
+    concat = buffer_history(ConcatCache(1), CHUNKS)
+    assert concat[-1].slots == tuple(range(11))
+    assert [len(r.copied) for r in concat] == [r.rows_copied for r in concat] == [0, 3, 4, 6, 7]  # all old rows
+    grow = buffer_history(GrowableCache(1, 4), CHUNKS)
+    assert [len(r.slots) for r in grow] == [4, 4, 8, 8, 12]  # linear growth by the first capacity
+    assert [len(r.copied) for r in grow] == [0, 0, 4, 0, 7]
+    assert [r.rows_copied for r in grow] == [0, 0, 4, 0, 8]  # a growth copies the empty slot too
+    assert grow[-1].slots[-1] is None
+
+
+def test_buffer_history_of_a_ring_moves_nothing():
+    rows = buffer_history(RingCache(1, 4), CHUNKS)
+    assert all(r.copied == () and r.rows_copied == 0 for r in rows)
+    assert sorted(p for p in rows[-1].slots if p is not None) == [7, 8, 9, 10]
+
+
+def test_buffer_history_refuses_a_used_cache_and_a_miscounted_copy():
+    used = WindowCache(1, 4)
+    used.feed(torch.zeros(1, 1, 1, 1, dtype=torch.float64), torch.zeros(1, 1, 1, 1, dtype=torch.float64))
+    with pytest.raises(CacheError, match="cache: expected a new cache of one layer"):
+        buffer_history(used, CHUNKS)
+    with pytest.raises(CacheError, match="cache: expected a new cache of one layer"):
+        buffer_history(WindowCache(2, 4), CHUNKS)
+
+    class Uncounted(WindowCache):  # a shift that forgets to count what it moves
+        def _shift(self, layer, drop):
+            before = self.rows_copied
+            super()._shift(layer, drop)
+            self.rows_copied = before
+
+    with pytest.raises(CacheError, match="rows_copied to count the 2 old rows it copied"):
+        buffer_history(Uncounted(1, 4), CHUNKS)
+
+
+def test_draw_buffers_shows_every_position_and_what_each_pass_did():
+    rows = buffer_history(WindowCache(1, 4), CHUNKS)
+    fig, ax = plt.subplots()
+    draw_buffers(ax, rows, "W = 4")
+    texts = texts_of(ax)
+    assert "W = 4" in texts and [f"+{t}" for t in CHUNKS] == [t for t in texts if t.startswith("+")]
+    assert {str(p) for p in range(11)} <= set(texts)
+    assert "copied 2, dropped 2" in texts and "dropped 4" in texts
+    plt.close(fig)
+    fig = buffers_figure({"a": rows, "b": buffer_history(ConcatCache(1), CHUNKS)})
+    assert len(fig.axes) == 2 and fig.axes[0].get_legend() is not None
+    plt.close(fig)
+    with pytest.raises(CacheError, match="histories: expected a dict"):
+        buffers_figure({})
