@@ -36,7 +36,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 if [ ! -e "$stamp" ]; then
-  echo "setup: installing the locked requirements into $venv (about a minute the first time)"
+  echo "setup: installing the locked requirements into $venv (about a minute and a half the first time)"
   # pip installs torch (it finds the CPU build where the machine provides one) and the installer uv;
   # uv installs the rest of the lock in parallel, finds torch already satisfied, and compiles what it
   # installs to bytecode. torch and its dependencies are compiled meanwhile, on every core: where
