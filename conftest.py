@@ -136,14 +136,21 @@ class Lane:
     log: Path
 
 
+def background_pytest(args: list[str], log: Path, env: dict, cwd: Path = ROOT, nice: int = 0) -> subprocess.Popen:
+    """Start `python -m pytest -q *args` in the background, `nice` steps below this process where the
+    platform has nice, with its output in `log`; return at once. The unit lane and the portability
+    pass (tests/test_portability.py) start this way."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    if nice and hasattr(os, "nice"):
+        cmd = ["nice", "-n", str(nice), *cmd]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 def _launch_lane(files: list[str]) -> Lane:
-    env = dict(os.environ, KVCV_LANE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
-    if hasattr(os, "nice"):  # below the notebooks: the lane takes the time they leave
-        cmd = ["nice", "-n", "10", *cmd]
-    LANE_LOG.parent.mkdir(parents=True, exist_ok=True)
-    with LANE_LOG.open("w") as log:
-        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Below the notebooks and the portability pass: the lane takes the time they leave.
+    process = background_pytest(files, LANE_LOG, dict(os.environ, KVCV_LANE="1"), nice=10)
     return Lane(process, files, LANE_LOG)
 
 

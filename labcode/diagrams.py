@@ -182,6 +182,11 @@ def cells_legend(ax, names: str) -> None:
 
 # -- one layer's key buffer, pass after pass (chapter 5) ------------------------------------------
 
+# draw_buffers' layout, in slot widths; buffers_figure sizes a figure from the same numbers.
+BUFFER_ROW = 1.45  # from one pass's row to the next
+BUFFER_LABEL = 2.2  # the column of pass labels, left of the slots
+BUFFER_NOTES = 6.2  # the column of notes ("copied 2, dropped 2"), right of the slots
+
 
 @dataclass(frozen=True)
 class BufferRow:
@@ -242,9 +247,8 @@ def draw_buffers(ax, rows: Sequence[BufferRow], title: str = "", width: int | No
     the pass wrote it (new) or copied it (old); the right margin says what the pass did. `width`:
     the slots drawn per row (default: the widest buffer)."""
     width = max((len(r.slots) for r in rows), default=0) if width is None else width
-    row_h, label_w = 1.45, 2.2  # between rows; the pass label's column, in slot widths
     for i, row in enumerate(rows):
-        y = -i * row_h
+        y = -i * BUFFER_ROW
         ax.text(-0.3, y + 0.5, f"+{row.t_new}", ha="right", va="center", fontsize=10, color=INK)
         for j in range(width):
             if j >= len(row.slots):
@@ -258,9 +262,9 @@ def draw_buffers(ax, rows: Sequence[BufferRow], title: str = "", width: int | No
         notes += [f"dropped {row.dropped}"] if row.dropped else []
         ax.text(width + 0.35, y + 0.5, ", ".join(notes), ha="left", va="center", fontsize=9.5, color=INK)
     top = 1.25 + (0.75 if title else 0)
-    ax.set(xlim=(-label_w, width + 6.2), ylim=(-(len(rows) - 1) * row_h - 0.25, top))
+    ax.set(xlim=(-BUFFER_LABEL, width + BUFFER_NOTES), ylim=(-(len(rows) - 1) * BUFFER_ROW - 0.25, top))
     if title:
-        ax.text(-label_w, top - 0.05, title, ha="left", va="top", fontsize=10.5, color=INK, fontweight="bold")
+        ax.text(-BUFFER_LABEL, top - 0.05, title, ha="left", va="top", fontsize=10.5, color=INK, fontweight="bold")
     ax.set_aspect("equal")
     ax.set_axis_off()
 
@@ -284,8 +288,8 @@ def buffers_figure(histories: dict[str, Sequence[BufferRow]], width: float = 5.2
     if not (isinstance(histories, dict) and histories):
         fail("histories", "a dict of one or more titles -> buffer_history rows", histories, CacheError)
     slots = max((len(r.slots) for rows in histories.values() for r in rows), default=1)
-    units = [len(rows) * 1.45 + 1.3 for rows in histories.values()]  # each panel's height in slot widths
-    per_unit = width / (slots + 8.4)  # inches per slot width, from draw_buffers' x range
+    units = [len(rows) * BUFFER_ROW + 1.3 for rows in histories.values()]  # each panel's height in slot widths
+    per_unit = width / (slots + BUFFER_LABEL + BUFFER_NOTES)  # inches per slot width, from draw_buffers' x range
     fig, axes = figure(len(histories), 1, height=sum(units) * per_unit + 0.45, width=width,
                        gridspec_kw={"height_ratios": units})
     axes = [axes] if len(histories) == 1 else list(axes)

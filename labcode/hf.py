@@ -18,8 +18,9 @@ from tqdm import TqdmWarning
 
 with warnings.catch_warnings():  # in a notebook without ipywidgets, transformers' tqdm.auto warns on import
     warnings.simplefilter("ignore", TqdmWarning)
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from labcode.checkpoint import default_device
 from labcode.config import GPTConfig
 from labcode.model import GPT
 from labcode.pretrained import PretrainedUnavailable as PretrainedUnavailable  # re-exported: the CLI below
@@ -210,6 +211,20 @@ class HFTokenizer:
         if bad:
             raise ValueError(f"ids: expected values in [0, {self.vocab_size}), got {bad[0]!r}")
         return self.tokenizer.decode(ids)
+
+
+def read_pretrained(name: str, download: bool, dtype: torch.dtype,
+                    device: str | torch.device | None) -> tuple[GPT, HFTokenizer]:
+    """GPT-2 weights `name` read by transformers (from the local cache only unless `download`) as a course
+    model in eval mode, with their tokenizer: the work behind `labcode.pretrained.load_pretrained_gpt2`,
+    which asks for it once it knows the weights are there. Raises OSError, as transformers does, when
+    they are not."""
+    hf = GPT2LMHeadModel.from_pretrained(name, local_files_only=not download)
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(name, local_files_only=not download))
+    _expect(tok.vocab_size <= hf.config.vocab_size, "tokenizer", f"at most the model's {hf.config.vocab_size} ids",
+            tok.vocab_size)
+    model = from_hf(hf).to(device=default_device() if device is None else torch.device(device), dtype=dtype)
+    return model.eval(), tok
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,18 +55,9 @@ def load_pretrained_gpt2(name: str = "gpt2", *, download: bool = False, dtype: t
     hint = "" if download else " (download them once: python -m labcode.hf --download " + name + ")"
     if not download and not pretrained_available(name):  # answered without importing transformers
         raise PretrainedUnavailable(f"name: expected GPT-2 weights {name!r} {where}, got none{hint}")
-    from transformers import AutoTokenizer, GPT2LMHeadModel
-
-    from labcode import hf  # imports transformers, without the tqdm widget warning
-    from labcode.checkpoint import default_device
+    from labcode import hf  # imports transformers (a few seconds), without the tqdm widget warning
 
     try:
-        model = GPT2LMHeadModel.from_pretrained(name, local_files_only=not download)
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=not download)
+        return hf.read_pretrained(name, download, dtype, device)
     except OSError as e:  # transformers and huggingface_hub report missing files and no network as OSError
         raise PretrainedUnavailable(f"name: expected GPT-2 weights {name!r} {where}, got none{hint}: {e}") from e
-    tok = hf.HFTokenizer(tokenizer)
-    hf._expect(tok.vocab_size <= model.config.vocab_size, "tokenizer",
-               f"at most the model's {model.config.vocab_size} ids", tok.vocab_size)
-    ours = hf.from_hf(model).to(device=default_device() if device is None else torch.device(device), dtype=dtype)
-    return ours.eval(), tok

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, background_pytest
 
 # Kernel sets from the plainest up, as torch.backends.cpu.get_cpu_capability() names them.
 ORDER = ["DEFAULT", "VSX", "ZVECTOR", "SVE128", "SVE256", "AVX2", "AVX512"]
@@ -82,15 +82,10 @@ def launch() -> PortabilityPass:
     shutil.rmtree(PASS_ROOT, ignore_errors=True)
     skip = {".git", ".venv", "venv", "_build", "_runs", "test-artifacts", "__pycache__", ".ipynb_checkpoints"}
     shutil.copytree(ROOT, PASS_ROOT, ignore=lambda folder, names: [n for n in names if n in skip])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "notebooks", "qa",
-           "tests/test_qa.py::test_regenerated_result_matches_committed"]
-    if hasattr(os, "nice"):
-        # Below the main session's notebooks, whose book build and browser tests come after them and
-        # use one core: the pass takes what they leave, and the other core once they are done.
-        cmd = ["nice", "-n", "5", *cmd]
-    PASS_LOG.parent.mkdir(parents=True, exist_ok=True)
-    with PASS_LOG.open("w") as log:
-        process = subprocess.Popen(cmd, cwd=PASS_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Below the main session's notebooks, whose book build and browser tests come after them and use
+    # one core: the pass takes what they leave, and the other core once they are done.
+    process = background_pytest(["notebooks", "qa", "tests/test_qa.py::test_regenerated_result_matches_committed"],
+                                PASS_LOG, env, cwd=PASS_ROOT, nice=5)
     return PortabilityPass(process, f"kernels {other or current} (this session: {current}), {threads} thread(s)",
                            PASS_LOG)
 
