@@ -61,6 +61,7 @@ class StepCost:
     act_linear_bytes: int  # inputs and outputs of the products with weights (the logits included)
     act_attention_bytes: int  # queries, the score matrix's passes (product, scale, mask, softmax, read), outputs
     act_other_bytes: int  # embeddings, LayerNorms, GELU, residual additions, the new K/V read for the cache write
+    rows: int = 1  # rows each product with weights multiplies: B * T
 
     @property
     def flops(self) -> int:
@@ -126,6 +127,7 @@ def step_cost(cfg: GPTConfig, t_new: int, s_cached: int = 0, batch: int = 1, *,
         act_linear_bytes=e * act_linear,
         act_attention_bytes=e * act_attention,
         act_other_bytes=e * act_other,
+        rows=rows,
     )
 
 
@@ -160,12 +162,19 @@ def uncached_cost(cfg: GPTConfig, n_tokens: int, batch: int = 1, **kw) -> StepCo
 
 @dataclass(frozen=True)
 class Machine:
-    """What a machine does per second, and the fixed cost of one operation."""
+    """What a machine does per second, and the fixed cost of one operation.
+
+    `row_ceilings` holds (R, FLOP/s) pairs, R ascending: the rate measured for products
+    through a weight with R rows, where that product was compute-bound. A product with
+    few rows runs below the peak (the soft ridge of chapter 7); `peak_for` reads the
+    ceiling for any number of rows from these. Empty: every product can reach the peak.
+    """
 
     peak_flops_per_s: float  # a large matrix product
     bandwidth_bytes_per_s: float  # a large matrix-vector product (streaming)
     overhead_s_per_op: float = 0.0  # fixed seconds per tensor operation (Python, dispatch)
     overlapped: bool = False  # True where operations are queued ahead (a GPU): the overhead hides behind the work
+    row_ceilings: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_per_s", "bandwidth_bytes_per_s"):
@@ -173,18 +182,43 @@ class Machine:
                 raise ValueError(f"Machine.{name}: expected a positive number, got {getattr(self, name)!r}")
         if not self.overhead_s_per_op >= 0:
             raise ValueError(f"Machine.overhead_s_per_op: expected >= 0, got {self.overhead_s_per_op!r}")
+        ceilings = tuple((r, f) for r, f in self.row_ceilings)
+        rows = [r for r, _ in ceilings]
+        if not (all(is_int(r) and r >= 1 for r in rows) and rows == sorted(set(rows))
+                and all(f > 0 for _, f in ceilings)):
+            raise ValueError("Machine.row_ceilings: expected (rows, FLOP/s) pairs with distinct rows >= 1 in "
+                             f"ascending order and positive rates, got {self.row_ceilings!r}")
+        object.__setattr__(self, "row_ceilings", ceilings)
 
     @property
     def balance(self) -> float:
         """FLOPs the machine can do per byte it streams: above this intensity a call is compute-bound."""
         return self.peak_flops_per_s / self.bandwidth_bytes_per_s
 
+    def peak_for(self, rows: int) -> float:
+        """The FLOP/s a product through a weight with `rows` rows can reach: never above the peak.
+
+        Between two measured row counts the rate is interpolated on log-log axes; below the
+        fewest it is that ceiling's rate (fewer rows run slower still, but such products are
+        memory-bound by their intensity); from the most on it is the peak.
+        """
+        _count("rows", rows, 1)
+        ceil = self.row_ceilings
+        if not ceil or rows >= ceil[-1][0]:
+            return self.peak_flops_per_s
+        if rows <= ceil[0][0]:
+            return min(ceil[0][1], self.peak_flops_per_s)
+        (r0, f0), (r1, f1) = next((a, b) for a, b in zip(ceil[:-1], ceil[1:], strict=True)
+                                     if a[0] <= rows <= b[0])
+        w = math.log(rows / r0) / math.log(r1 / r0)
+        return min(math.exp((1 - w) * math.log(f0) + w * math.log(f1)), self.peak_flops_per_s)
+
 
 @dataclass(frozen=True)
 class Prediction:
     """The roofline's seconds for one call, and what they are made of."""
 
-    t_math: float  # all FLOPs at the peak
+    t_math: float  # all FLOPs at the rates they can reach (products with weights at peak_for(rows))
     t_memory: float  # all bytes at the bandwidth
     t_parts: float  # sum over the kinds of operation of max(FLOPs / peak, bytes / bandwidth)
     t_overhead: float  # operations x fixed cost per operation
@@ -203,14 +237,18 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     The kinds of operation run one after another, so each is held to its own limit:
     sum of max(FLOPs / peak, bytes / bandwidth) over `StepCost.parts`. That is never
     below max(t_math, t_memory), and equals it when every part has the same limit (any
-    decode step at batch 1). On a CPU the fixed cost of the operations adds to it.
+    decode step at batch 1). The products with weights compute at most at
+    `machine.peak_for(cost.rows)`, attention at the peak. On a CPU the fixed cost of
+    the operations adds to it.
     """
     _count("ops", ops, 0)
     peak, bw = machine.peak_flops_per_s, machine.bandwidth_bytes_per_s
-    t_parts = sum(max(f / peak, n / bw) for f, n in cost.parts().values())
+    peaks = {"products with weights": machine.peak_for(cost.rows)}
+    t_parts = sum(max(f / peaks.get(k, peak), n / bw) for k, (f, n) in cost.parts().items())
     t_overhead = ops * machine.overhead_s_per_op
     seconds = max(t_parts, t_overhead) if machine.overlapped else t_parts + t_overhead
-    t_math, t_memory = cost.flops / peak, cost.bytes / bw
+    t_math = cost.flops_linear / peaks["products with weights"] + cost.flops_attention / peak
+    t_memory = cost.bytes / bw
     bound = "overhead" if t_overhead > t_parts else ("compute" if t_math >= t_memory else "memory")
     return Prediction(t_math, t_memory, t_parts, t_overhead, seconds, bound)
 

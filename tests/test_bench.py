@@ -305,11 +305,10 @@ def test_decode_bytes_count_weights_once_and_one_position_row():
 # -- the roofline's record: every prediction is the pure function of what was counted and measured -------------------
 
 def test_every_roofline_point_is_predicted_from_its_counted_cost(bench_run):
-    from labcode.bench.roofline import cost_of, machine_of
+    from labcode.bench.roofline import cost_of, machine_at
     from labcode.roofline import predict
 
     values = bench_run[0]["values"]
-    wall, cpu = machine_of(values["roofline_machine"], "wall"), machine_of(values["roofline_machine"], "cpu")
     kinds = set()
     for preset, run in values["roofline"].items():
         cfg = get_config(preset)
@@ -317,6 +316,8 @@ def test_every_roofline_point_is_predicted_from_its_counted_cost(bench_run):
             kinds.add(p["kind"])
             cost = cost_of(cfg, p["kind"], p["t_new"], p["s_mid"], p["batch"])
             assert p["flops"] == cost.flops and p["bytes"] == cost.bytes and p["ops"] > 0
+            wall, cpu = (machine_at(values["roofline_machine"], p, clock) for clock in ("wall", "cpu"))
+            assert wall.overhead_s_per_op == p["overhead_s_per_op"] > 0  # measured beside the point
             assert p["predicted"]["seconds"] == predict(cost, wall, p["ops"]).seconds
             assert p["predicted_cpu"]["seconds"] == predict(cost, cpu, p["ops"]).seconds
             assert p["ratio"] == p["step_s"] / p["predicted"]["seconds"]

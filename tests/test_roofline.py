@@ -130,6 +130,46 @@ def test_each_kind_of_operation_is_held_to_its_own_limit():
     assert p.t_parts >= p.t_roofline == p.t_math and p.bound == "compute"
 
 
+def test_products_with_few_rows_are_held_to_their_measured_ceiling():
+    # ceilings: 1e6 FLOP/s at 16 rows, 4e6 at 256; the peak 8e6 from 256 rows on
+    machine = Machine(peak_flops_per_s=8e6, bandwidth_bytes_per_s=1e8, row_ceilings=((16, 1e6), (256, 4e6)))
+    assert machine.peak_for(1) == machine.peak_for(16) == 1e6  # below the fewest measured: that ceiling
+    assert machine.peak_for(64) == pytest.approx(2e6)  # halfway on log-log axes: 64 = sqrt(16 * 256), 2e6 likewise
+    assert machine.peak_for(256) == machine.peak_for(10**6) == 8e6  # from the most measured rows on: the peak
+    assert Machine(8e6, 1e8).peak_for(1) == 8e6  # no ceilings: every product can reach the peak
+    assert Machine(1e6, 1e8, row_ceilings=((16, 5e6),)).peak_for(4) == 1e6  # never above the peak
+    # a prefill of T = 64 rows: products 2 * 64 * 7168 = 917504 FLOPs at 2e6 FLOP/s, attention at the peak
+    cost = prefill_cost(MICRO, 64)
+    assert cost.rows == 64 and decode_cost(MICRO, 5, batch=3).rows == 3
+    p = predict(cost, machine)
+    assert cost.flops_linear == 917504
+    assert p.t_math == pytest.approx(917504 / 2e6 + cost.flops_attention / 8e6)
+    products = max(cost.flops_linear / 2e6, sum(cost.parts()["products with weights"][1:]) / 1e8)
+    assert p.t_parts >= products == pytest.approx(917504 / 2e6)
+    for bad in (((16, 1e6), (16, 2e6)), ((256, 1e6), (16, 2e6)), ((0, 1e6),), ((16, 0.0),)):
+        with pytest.raises(ValueError, match="Machine.row_ceilings"):
+            Machine(8e6, 1e8, row_ceilings=bad)
+
+
+def test_only_compute_bound_row_measurements_become_ceilings():
+    from labcode.bench.roofline import machine_at, machine_of
+
+    measured = {"wall": {"peak_flops_per_s": 8e6, "bandwidth_bytes_per_s": 1e6, "overhead_s_per_op": 1e-6,
+                         "overlapped": False},
+                "rows": [{"rows": 64, "flops_per_s": 6e6, "cpu_flops_per_s": 5e6, "intensity": 30.0},
+                         {"rows": 1, "flops_per_s": 1e5, "cpu_flops_per_s": 1e5, "intensity": 0.5},
+                         {"rows": 16, "flops_per_s": 3e6, "cpu_flops_per_s": 2e6, "intensity": 8.0}]}
+    measured["cpu"] = measured["wall"]
+    # the balance is 8 FLOPs per byte: the one-row product measured the bandwidth, not a ceiling
+    assert machine_of(measured).row_ceilings == ((16, 3e6), (64, 6e6))
+    assert machine_of(measured, "cpu").row_ceilings == ((16, 2e6), (64, 5e6))
+    assert machine_of({"wall": measured["wall"]}).row_ceilings == ()
+    point = {"overhead_s_per_op": 3e-6, "overhead_cpu_s_per_op": 2e-6}
+    assert machine_at(measured, point).overhead_s_per_op == 3e-6
+    assert machine_at(measured, point, "cpu").overhead_s_per_op == 2e-6
+    assert machine_at(measured, {}).overhead_s_per_op == 1e-6
+
+
 def test_critical_batch_by_hand_and_by_its_definition():
     machine = Machine(peak_flops_per_s=1e9, bandwidth_bytes_per_s=1e9)
     # w = 30528 bytes, each sequence 15104 FLOPs and 38592 - 30528 = 8064 bytes: B* = 30528 / (15104 - 8064)

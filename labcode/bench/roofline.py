@@ -12,6 +12,7 @@ process's CPU time, and the two are divided.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -75,21 +76,22 @@ def shrunk_model(cfg: GPTConfig, device: torch.device) -> GPT:
         return GPT(small).to(device).eval()
 
 
-@torch.inference_mode()
-def measure_overhead(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 21) -> dict:
-    """Seconds per tensor operation of a cached decode step of `shrunk_model(cfg)`: its step time / its operations."""
+def measure_overhead(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 11,
+                     min_s: float = 0.5) -> dict:
+    """Seconds per tensor operation of a cached decode step of `shrunk_model(cfg)`: its step time / its operations.
+
+    The step is timed like a decode point of the roofline (`time_point`), in rounds from
+    the same cached length until `min_s` seconds of steps are in: the median of a few
+    hundred steps, which a moment of other work on the machine barely moves.
+    """
     model = shrunk_model(cfg, device)
     position = min(position, cfg.context_length // 2)
-    cache = WindowCache(cfg.n_layers, cfg.context_length)
-    fill_cache(cache, model, 1, position)
-    token = torch.zeros(1, dtype=torch.long, device=device)
-    ops = count_ops(lambda: decode_step(model, token, cache))
-    for _ in range(2):
-        decode_step(model, token, cache)
-    runs = [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(steps)]
-    wall, cpu = median([w for w, _ in runs]), median([c for _, c in runs])
+    steps = max(1, min(steps, cfg.context_length - position - 3))
+    row = time_point(model, "decode", 1, position, repeats=steps, min_s=min_s)
+    ops, wall, cpu = row["ops"], row["step_s"], row["step_cpu_s"]
     return {"d_model": model.cfg.d_model, "vocab_size": 64, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
-            "ops_per_step": ops, "step_s": wall, "step_cpu_s": cpu, "s_per_op": wall / ops, "cpu_s_per_op": cpu / ops}
+            "ops_per_step": ops, "step_s": wall, "step_cpu_s": cpu, "s_per_op": wall / ops, "cpu_s_per_op": cpu / ops,
+            "steps_timed": row["timed"]}
 
 
 def measure_peak(device: torch.device, n: int = 1024, repeats: int = 7) -> dict:
@@ -103,13 +105,14 @@ def measure_peak(device: torch.device, n: int = 1024, repeats: int = 7) -> dict:
             "cpu_flops_per_s": flops / max(median([c for _, c in runs]), 1e-9)}
 
 
-def measure_machine(device: torch.device, bandwidth_mbytes: int, overhead_preset: str = "gpt2-124m") -> dict:
+def measure_machine(device: torch.device, bandwidth_mbytes: int, overhead_preset: str = "gpt2-124m",
+                    overhead_min_s: float = 0.5) -> dict:
     """The roofline's three numbers for this machine, in wall-clock and CPU time, with their raw measurements."""
     peak = measure_peak(device)
     streamer = Streamer(bandwidth_mbytes, device)
     bw = streamer.measure()
     del streamer
-    over = measure_overhead(get_config(overhead_preset), device)
+    over = measure_overhead(get_config(overhead_preset), device, min_s=overhead_min_s)
     overlapped = device.type == "cuda"
     return {
         "wall": {"peak_flops_per_s": peak["flops_per_s"], "bandwidth_bytes_per_s": bw["best"],
@@ -120,9 +123,34 @@ def measure_machine(device: torch.device, bandwidth_mbytes: int, overhead_preset
     }
 
 
+def row_ceilings(rows: list[dict], clock: str, balance: float) -> tuple[tuple[int, float], ...]:
+    """(R, FLOP/s) of the `measure_rows` products that were compute-bound: intensity at least the machine's balance.
+
+    A product with fewer rows is below the balance, so its rate measures the bandwidth,
+    not how fast the arithmetic of so few rows can go; it is left out.
+    """
+    key = "flops_per_s" if clock == "wall" else "cpu_flops_per_s"
+    return tuple((r["rows"], r[key]) for r in sorted(rows, key=lambda r: r["rows"]) if r["intensity"] >= balance)
+
+
 def machine_of(measured: dict, clock: str = "wall") -> Machine:
-    """The `Machine` a `measure_machine` result describes, in `clock` ("wall" or "cpu")."""
-    return Machine(**measured[clock])
+    """The `Machine` a `measure_machine` result describes, in `clock` ("wall" or "cpu").
+
+    Where the result holds products of few rows (`measure_rows`, under "rows"), the
+    compute-bound ones are the machine's `row_ceilings`.
+    """
+    base = Machine(**measured[clock])
+    if not measured.get("rows"):
+        return base
+    return Machine(**measured[clock], row_ceilings=row_ceilings(measured["rows"], clock, base.balance))
+
+
+def machine_at(measured: dict, point: dict, clock: str = "wall") -> Machine:
+    """The `Machine` a roofline point was predicted with: `machine_of(measured, clock)` with the fixed cost per
+    operation measured beside the point, where it was."""
+    machine = machine_of(measured, clock)
+    key = "overhead_s_per_op" if clock == "wall" else "overhead_cpu_s_per_op"
+    return replace(machine, overhead_s_per_op=point[key]) if key in point else machine
 
 
 def wall_over_cpu(roofline: dict) -> tuple[float, int]:
@@ -172,49 +200,61 @@ def cost_of(cfg: GPTConfig, kind: str, t_new: int, s_cached: int, batch: int = 1
 
 @torch.inference_mode()
 def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1, repeats: int = 5,
-               warmup: int = 2) -> dict:
+               warmup: int = 2, min_s: float = 0.0, max_rounds: int = 50) -> dict:
     """Median wall and CPU seconds of one forward call of `kind`, and the operations it dispatches.
 
     Decode times `repeats` consecutive steps from S (so the cached length grows by one each
     step; `s_mid` is the middle one); prefill and uncached calls start from the same state
-    every time (a fresh cache holding S positions for prefill).
+    every time (a fresh cache holding S positions for prefill). Short calls are timed again,
+    in rounds from the same state, until the timed calls add up to `min_s` seconds (at most
+    `max_rounds` rounds): a call of a millisecond is otherwise at the mercy of one interruption.
     """
     cfg, device = model.cfg, model.device
     gen = torch.Generator().manual_seed(t_new + 7 * s_cached)
     ids = torch.randint(0, cfg.vocab_size, (batch, t_new), generator=gen).to(device)
-    runs = []
     if kind == "decode":
-        cache = WindowCache(cfg.n_layers, cfg.context_length)
-        fill_cache(cache, model, batch, s_cached)
         token = ids[:, 0]
-        for _ in range(warmup - 1):
-            decode_step(model, token, cache)
-        ops = count_ops(lambda: decode_step(model, token, cache))  # a step like the timed ones, and the last warm-up
-        s_first = cache.position
-        runs = [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(repeats)]
-        s_mid = s_first + (repeats - 1) // 2
-    elif kind == "prefill":
-        def fresh():
-            cache = WindowCache(cfg.n_layers, s_cached + t_new)
+
+        def start():
+            cache = WindowCache(cfg.n_layers, cfg.context_length)
             fill_cache(cache, model, batch, s_cached)
+            for _ in range(warmup - 1):
+                decode_step(model, token, cache)
             return cache
 
-        ops = count_ops(lambda: model(ids, fresh()))
-        for i in range(warmup - 1 + repeats):
-            cache = fresh()
-            t = timed_cpu(lambda cache=cache: model(ids, cache), device)
-            if i >= warmup - 1:
-                runs.append(t)
-        s_mid = s_cached
+        first = start()
+        ops = count_ops(lambda: decode_step(model, token, first))  # a step like the timed ones
+
+        def one_round():
+            cache = start()
+            decode_step(model, token, cache)  # the last warm-up
+            return [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(repeats)]
+
+        s_mid = s_cached + warmup + (repeats - 1) // 2
     else:
-        ops = count_ops(lambda: model(ids))
+        if kind == "prefill":
+            def call():
+                cache = WindowCache(cfg.n_layers, s_cached + t_new)
+                fill_cache(cache, model, batch, s_cached)
+                return lambda: model(ids, cache)
+        else:
+            def call():
+                return lambda: model(ids)
+
+        ops = count_ops(call())
         for _ in range(warmup - 1):
-            model(ids)
-        runs = [timed_cpu(lambda: model(ids), device) for _ in range(repeats)]
-        s_mid = 0
+            call()()
+
+        def one_round():
+            return [timed_cpu(call(), device) for _ in range(repeats)]
+
+        s_mid = s_cached
+    runs = one_round()
+    while sum(w for w, _ in runs) < min_s and len(runs) < max_rounds * repeats:
+        runs += one_round()
     walls, cpus = [w for w, _ in runs], [c for _, c in runs]
     return {"kind": kind, "t_new": t_new, "s_cached": s_cached, "s_mid": s_mid, "batch": batch, "ops": ops,
-            "step_s": median(walls), "step_cpu_s": median(cpus), "step_min_s": min(walls)}
+            "step_s": median(walls), "step_cpu_s": median(cpus), "step_min_s": min(walls), "timed": len(runs)}
 
 
 def predicted(cfg: GPTConfig, point: dict, machine: Machine) -> dict:
@@ -225,12 +265,18 @@ def predicted(cfg: GPTConfig, point: dict, machine: Machine) -> dict:
 
 
 def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device: torch.device,
-                   models: dict | None = None, repeats: int = 5, progress=None) -> dict:
+                   models: dict | None = None, repeats: int = 5, min_s: float = 0.0, overhead_min_s: float = 0.0,
+                   progress=None) -> dict:
     """Every point of every preset, timed and predicted; `points` holds `points_for`'s arguments.
 
     Decode points time `repeats` steps; prefill and uncached calls, which are longer, about
-    half as many. Returns, per preset, a list of points with their counted cost, the measured
-    seconds, the prediction with and without the overhead term, and measured / predicted in both clocks.
+    half as many; each point in rounds until its timed calls add up to `min_s` seconds.
+    Right before each point, the fixed cost per operation is measured again on the shrunk
+    model of `machine` (`measure_overhead`, for `overhead_min_s` seconds) and the point is
+    predicted with it (`machine_at`): a shared machine's speed drifts by tens of percent over
+    minutes, and a cost measured beside the call drifts with it.
+    Returns, per preset, a list of points with their counted cost, the measured seconds, the
+    prediction with and without the overhead term, and measured / predicted in both clocks.
     """
     from labcode.bench import random_model  # the package imports this module
 
@@ -240,13 +286,16 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
         cfg = model.cfg
         rows = []
         for kind, t, s in points_for(cfg, **points):
-            row = time_point(model, kind, t, s, repeats=repeats if kind == "decode" else max(1, (repeats + 1) // 2))
+            over = measure_overhead(get_config(machine["overhead"]["preset"]), device, min_s=overhead_min_s)
+            row = time_point(model, kind, t, s, repeats=repeats if kind == "decode" else max(1, (repeats + 1) // 2),
+                             min_s=min_s)
             cost = cost_of(cfg, kind, t, row["s_mid"])
             row.update(flops=cost.flops, bytes=cost.bytes, weight_bytes=cost.weight_bytes,
                        kv_bytes=cost.kv_read_bytes + cost.kv_write_bytes, act_bytes=cost.act_bytes,
-                       intensity=cost.intensity)
+                       intensity=cost.intensity, overhead_s_per_op=over["s_per_op"],
+                       overhead_cpu_s_per_op=over["cpu_s_per_op"])
             for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
-                pred = predicted(cfg, row, machine_of(machine, clock))
+                pred = predicted(cfg, row, machine_at(machine, row, clock))
                 row["predicted" + suffix] = pred
                 row["ratio" + suffix] = row["step" + suffix + "_s"] / pred["seconds"]
                 row["ratio_no_overhead" + suffix] = row["step" + suffix + "_s"] / pred["t_parts"]
