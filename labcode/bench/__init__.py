@@ -100,8 +100,8 @@ class Sizes:
     roofline_decode: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # where decode starts, as a fraction of the table
     roofline_uncached: tuple[int, ...] = (32, 128, 512)
     roofline_repeats: int = 5
-    roofline_min_s: float = 0.2  # each point is timed in rounds until its calls add up to this
-    roofline_overhead_min_s: float = 0.1  # and the fixed cost per operation is measured beside it for this long
+    roofline_min_s: float = 1.0  # each point is timed in rounds until its calls add up to this
+    roofline_overhead_steps: int = 3  # shrunk decode steps timed after each round: the fixed cost beside each call
     # decode against the batch size (labcode.bench.batch): (preset, batch sizes, cached lengths)
     batch_runs: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = (
         ("tiny", (1, 2, 4, 8, 16, 32, 64), (16, 48)),
@@ -124,7 +124,7 @@ SIZES = {
                    window_concat_positions=(0, 512, 1000), window_concat_steps=5, window_concat_rounds=1,
                    roofline_presets=("small", "tiny"), roofline_prefill=((16, 0), (128, 0)),
                    roofline_decode=(0.0, 1.0), roofline_uncached=(64,), roofline_repeats=3,
-                   roofline_min_s=0.05, roofline_overhead_min_s=0.05, overhead_min_s=0.2,
+                   roofline_min_s=0.2, overhead_min_s=0.2,
                    batch_runs=(("tiny", (1, 4, 16), (16,)), ("small", (1, 4, 16), (128,))), batch_steps=3),
     "test": Sizes(append_layers=3, append_prefills=(16, 256), append_decode=4, append_rounds=1,
                   attention_decode=4, attention_rounds=1, generation=(("micro", 4, 5, 1), ("tiny", 4, 5, 1)),
@@ -133,7 +133,7 @@ SIZES = {
                   kv_read_lengths=(32,), window_concat_positions=(0, 40), window_concat_steps=2,
                   window_concat_rounds=1, roofline_presets=("tiny",), roofline_prefill=((8, 0), (8, 16)),
                   roofline_decode=(0.0, 0.5), roofline_uncached=(16,), roofline_repeats=2,
-                  roofline_min_s=0.0, roofline_overhead_min_s=0.0, overhead_min_s=0.0,
+                  roofline_min_s=0.0, roofline_overhead_steps=1, overhead_min_s=0.0,
                   batch_runs=(("tiny", (1, 2), (8,)),), batch_steps=2, memory_budget_gib=0.001,
                   memory_lengths=(20,), memory_block_size=8, overhead_preset="tiny", rows_shape=(256, 64)),
 }
@@ -213,7 +213,7 @@ def _roofline_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, meas
     with _bar(n_points, "roofline", progress) as bar:
         result = bench_roofline(sizes.roofline_presets, points, measured, device, models,
                                 repeats=sizes.roofline_repeats, min_s=sizes.roofline_min_s,
-                                overhead_min_s=sizes.roofline_overhead_min_s, progress=bar)
+                                overhead_steps=sizes.roofline_overhead_steps, progress=bar)
     res.value("roofline", result, TIMED)
     wall = machine_of(measured)
     overhead = measured["overhead"]
@@ -406,6 +406,18 @@ def _rows_reason(values: dict, point: dict) -> str:
             f"{near['flops_per_s'] / peak:.0%} of the measured peak")
 
 
+def _kv_reason(values: dict, point: dict) -> str:
+    """Why a memory-bound point ran slower than the bandwidth: how fast attention read its keys and values."""
+    ops = values.get("floor_ops", {}).get("model")
+    att = (ops or {}).get("operations", {}).get("attention", {})
+    if "bytes_per_s" not in att:
+        return ""
+    bw = ops["floor_bytes"] / ops["floor_s"]
+    return (f"; attention streams keys and values slower than a matrix-vector product streams weights: "
+            f"{att['bytes_per_s'] / 1e9:.3g} GB/s against {bw / 1e9:.3g} in the decode step of "
+            f"{values['floor_ops']['preset']} at position {ops['position']}, taken apart in the appendix")
+
+
 def _floor_reason(ops: dict, clock: str = "") -> str:
     """The operations farthest above their floor time, with the bandwidth each achieved."""
     rows = ops["operations" + clock]
@@ -498,7 +510,8 @@ def targets(values: dict, tolerance: float = 1.5) -> list[dict]:
                 "overhead_crossover_d_model": {p: summ["crossover"][p]["crossover_d_model"] for p in presets},
                 "reason_if_not_met": f"worst: {worst['kind']} of T={worst['t_new']} after S={worst['s_cached']} at "
                 f"{worst['preset']}, measured {worst['ratio']:.3g}x the prediction ({worst['predicted']['bound']}"
-                "-bound)" + (_rows_reason(values, worst) if worst["predicted"]["bound"] == "compute" else "")})
+                "-bound)" + {"compute": _rows_reason, "memory": _kv_reason}.get(worst["predicted"]["bound"],
+                                                                   lambda v, p: "")(values, worst)})
     for preset, g in summ.get("generation", {}).items():
         run = values["generation"][preset]
         t = {"name": f"speedup_{preset}", "claim": f"cached generation at {preset} "

@@ -198,9 +198,41 @@ def cost_of(cfg: GPTConfig, kind: str, t_new: int, s_cached: int, batch: int = 1
     return uncached_cost(cfg, t_new, batch)
 
 
+def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int, warmup: int) -> tuple[int, object]:
+    """(operations of one decode step, a function that times `repeats` steps from S in a fresh cache)."""
+    cfg, device, batch = model.cfg, model.device, token.shape[0]
+
+    def start():
+        cache = WindowCache(cfg.n_layers, cfg.context_length)
+        fill_cache(cache, model, batch, s_cached)
+        for _ in range(warmup - 1):
+            decode_step(model, token, cache)
+        return cache
+
+    first = start()
+    ops = count_ops(lambda: decode_step(model, token, first))  # a step like the timed ones
+
+    def one_round() -> list[tuple[float, float]]:
+        cache = start()
+        decode_step(model, token, cache)  # the last warm-up
+        return [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(repeats)]
+
+    return ops, one_round
+
+
+@torch.inference_mode()
+def overhead_probe(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 3) -> tuple[int, object]:
+    """(operations of one step, a function timing `steps` decode steps) of `shrunk_model(cfg)` from `position`:
+    the fixed cost per operation, measured in rounds interleaved with a timed call (`time_point(beside=...)`)."""
+    model = shrunk_model(cfg, device)
+    position = min(position, cfg.context_length // 2)
+    steps = max(1, min(steps, cfg.context_length - position - 3))
+    return _decode_rounds(model, torch.zeros(1, dtype=torch.long, device=device), position, steps, warmup=2)
+
+
 @torch.inference_mode()
 def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1, repeats: int = 5,
-               warmup: int = 2, min_s: float = 0.0, max_rounds: int = 50) -> dict:
+               warmup: int = 2, min_s: float = 0.0, max_rounds: int = 50, beside=None) -> dict:
     """Median wall and CPU seconds of one forward call of `kind`, and the operations it dispatches.
 
     Decode times `repeats` consecutive steps from S (so the cached length grows by one each
@@ -208,28 +240,15 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
     every time (a fresh cache holding S positions for prefill). Short calls are timed again,
     in rounds from the same state, until the timed calls add up to `min_s` seconds (at most
     `max_rounds` rounds): a call of a millisecond is otherwise at the mercy of one interruption.
+    `beside`, a function returning (wall, CPU) seconds of some other calls, runs after every
+    round, and the medians of its calls come back as `beside_s` and `beside_cpu_s`: measured
+    in the same moments as the call, whatever the machine's speed did meanwhile.
     """
     cfg, device = model.cfg, model.device
     gen = torch.Generator().manual_seed(t_new + 7 * s_cached)
     ids = torch.randint(0, cfg.vocab_size, (batch, t_new), generator=gen).to(device)
     if kind == "decode":
-        token = ids[:, 0]
-
-        def start():
-            cache = WindowCache(cfg.n_layers, cfg.context_length)
-            fill_cache(cache, model, batch, s_cached)
-            for _ in range(warmup - 1):
-                decode_step(model, token, cache)
-            return cache
-
-        first = start()
-        ops = count_ops(lambda: decode_step(model, token, first))  # a step like the timed ones
-
-        def one_round():
-            cache = start()
-            decode_step(model, token, cache)  # the last warm-up
-            return [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(repeats)]
-
+        ops, one_round = _decode_rounds(model, ids[:, 0], s_cached, repeats, warmup)
         s_mid = s_cached + warmup + (repeats - 1) // 2
     else:
         if kind == "prefill":
@@ -249,12 +268,17 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
             return [timed_cpu(call(), device) for _ in range(repeats)]
 
         s_mid = s_cached
-    runs = one_round()
-    while sum(w for w, _ in runs) < min_s and len(runs) < max_rounds * repeats:
+    runs, other = [], []
+    while not runs or (sum(w for w, _ in runs) < min_s and len(runs) < max_rounds * repeats):
         runs += one_round()
+        if beside is not None:
+            other += beside()
     walls, cpus = [w for w, _ in runs], [c for _, c in runs]
-    return {"kind": kind, "t_new": t_new, "s_cached": s_cached, "s_mid": s_mid, "batch": batch, "ops": ops,
-            "step_s": median(walls), "step_cpu_s": median(cpus), "step_min_s": min(walls), "timed": len(runs)}
+    out = {"kind": kind, "t_new": t_new, "s_cached": s_cached, "s_mid": s_mid, "batch": batch, "ops": ops,
+           "step_s": median(walls), "step_cpu_s": median(cpus), "step_min_s": min(walls), "timed": len(runs)}
+    if beside is not None:
+        out.update(beside_s=median([w for w, _ in other]), beside_cpu_s=median([c for _, c in other]))
+    return out
 
 
 def predicted(cfg: GPTConfig, point: dict, machine: Machine) -> dict:
@@ -265,35 +289,36 @@ def predicted(cfg: GPTConfig, point: dict, machine: Machine) -> dict:
 
 
 def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device: torch.device,
-                   models: dict | None = None, repeats: int = 5, min_s: float = 0.0, overhead_min_s: float = 0.0,
+                   models: dict | None = None, repeats: int = 5, min_s: float = 0.0, overhead_steps: int = 3,
                    progress=None) -> dict:
     """Every point of every preset, timed and predicted; `points` holds `points_for`'s arguments.
 
     Decode points time `repeats` steps; prefill and uncached calls, which are longer, about
     half as many; each point in rounds until its timed calls add up to `min_s` seconds.
-    Right before each point, the fixed cost per operation is measured again on the shrunk
-    model of `machine` (`measure_overhead`, for `overhead_min_s` seconds) and the point is
-    predicted with it (`machine_at`): a shared machine's speed drifts by tens of percent over
-    minutes, and a cost measured beside the call drifts with it.
+    Between the rounds of each point, `overhead_steps` decode steps of the shrunk model of
+    `machine` (`overhead_probe`) measure the fixed cost per operation again, and the point is
+    predicted with that cost (`machine_at`): a shared machine's speed changes by tens of
+    percent from one second to the next, and a cost measured in the same moments as the
+    call changes with it.
     Returns, per preset, a list of points with their counted cost, the measured seconds, the
     prediction with and without the overhead term, and measured / predicted in both clocks.
     """
     from labcode.bench import random_model  # the package imports this module
 
     out = {}
+    probe_ops, probe = overhead_probe(get_config(machine["overhead"]["preset"]), device, steps=overhead_steps)
     for preset in presets:
         model = (models or {}).get(preset) or random_model(preset, device)
         cfg = model.cfg
         rows = []
         for kind, t, s in points_for(cfg, **points):
-            over = measure_overhead(get_config(machine["overhead"]["preset"]), device, min_s=overhead_min_s)
             row = time_point(model, kind, t, s, repeats=repeats if kind == "decode" else max(1, (repeats + 1) // 2),
-                             min_s=min_s)
+                             min_s=min_s, beside=probe)
             cost = cost_of(cfg, kind, t, row["s_mid"])
             row.update(flops=cost.flops, bytes=cost.bytes, weight_bytes=cost.weight_bytes,
                        kv_bytes=cost.kv_read_bytes + cost.kv_write_bytes, act_bytes=cost.act_bytes,
-                       intensity=cost.intensity, overhead_s_per_op=over["s_per_op"],
-                       overhead_cpu_s_per_op=over["cpu_s_per_op"])
+                       intensity=cost.intensity, overhead_s_per_op=row.pop("beside_s") / probe_ops,
+                       overhead_cpu_s_per_op=row.pop("beside_cpu_s") / probe_ops)
             for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
                 pred = predicted(cfg, row, machine_at(machine, row, clock))
                 row["predicted" + suffix] = pred
