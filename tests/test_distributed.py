@@ -327,10 +327,11 @@ def _launch_hello(start, out: str) -> None:
 
 
 def test_jobs_launched_at_once_get_their_own_ports(tmp_path):
-    # Three launchers in three processes (as parallel test workers are), released together: each job's
-    # store binds its own port, so no rank joins another job's group. Threads would not do: a forked
-    # rank copies only the thread that forked it, with any lock another thread held at that moment.
-    context = multiprocessing.get_context("fork")
+    # Three launchers in three fresh interpreters (as parallel test workers are), released together: each
+    # job's store binds its own port, so no rank joins another job's group. Threads of one process would
+    # not do (a forked rank copies only the thread that forked it, with any lock another thread held), nor
+    # forked copies of this one, which would share its fork server.
+    context = multiprocessing.get_context("spawn")
     start = context.Event()
     outs = [tmp_path / f"job{i}.json" for i in range(3)]
     procs = [context.Process(target=_launch_hello, args=(start, str(out))) for out in outs]

@@ -369,6 +369,12 @@ def plot_rows(values: dict) -> Figure:
         ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=color, lw=1,
                 label=f"roofline, {label}")
         ax.plot(r, [x[key] / 1e9 for x in rows], "o", color=color, label=f"measured, {label}")
+    from labcode.bench.roofline import machine_of  # imports torch: only this figure needs it
+
+    wall = machine_of(mach)
+    if wall.row_ceilings:  # what the model allows such a product: its ceiling peak(R), or the bandwidth
+        model = [min(wall.peak_for(x["rows"]), wall.bandwidth_bytes_per_s * x["intensity"]) / 1e9 for x in rows]
+        ax.plot(r, model, "--", color=INK, lw=1.2, label="the model, wall clock")
     ax.set(xscale="log", yscale="log", xlabel="rows R multiplied by the weight", ylabel="GFLOP/s")
     _plain(ax, "x", base=2)
     _plain(ax, "y")

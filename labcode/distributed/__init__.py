@@ -10,7 +10,7 @@ this machine talking over loopback exactly as they would across machines:
 - `pipeline`: each process owns a run of layers and their cache; activations cross with send/recv;
 - `transfer`: a cache serialised with a checked header, shipped from a prefill process to a decode
   process;
-- `jobs`: what each process runs (importable, so that `spawn` can start them);
+- `jobs`: what each process runs (importable, so that a fork server or `spawn` can start them);
 - `costs`: shipping a cache against recomputing it, at the scale of published models.
 
 Importing this package starts nothing: no process, no port, no thread.

@@ -1,7 +1,7 @@
 """What each process of a chapter-10 job runs: tensor-parallel, pipeline and disaggregated generation.
 
 Introduced in chapter 10. Each job is a function `job(rank, world, ...)` that `launch` runs in every
-process of a group (module-level functions, so that the spawn method can import them). Each returns
+process of a group (module-level functions, so that a fork server or spawn can import them). Each returns
 plain data (tensors, ints, strings) that the caller compares with the single-process model, which
 runs the very same request loop, `run_request`, with the whole model.
 """

@@ -16,6 +16,7 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT); `join_from_env` joins that group instead
 from __future__ import annotations
 
 import datetime
+import multiprocessing.forkserver as forkserver
 import os
 import socket
 import sys
@@ -57,23 +58,29 @@ def loopback_interface() -> str:
 
 
 def default_start_method() -> str:
-    """fork on Linux (a child starts as a copy of this process, torch already imported), spawn elsewhere.
+    """forkserver where the platform offers it (Linux, macOS), spawn elsewhere.
 
-    `torch.multiprocessing.spawn` starts fresh interpreters that import torch again: portable, and
-    what CUDA needs, but each process pays the import. The children here use neither CUDA nor
-    threads started before the fork, so fork is safe where the platform offers it.
+    The parent of a job holds threads: the rendezvous store serves on one, and a notebook kernel
+    or a test runner has more. A child forked straight from such a process copies only the thread
+    that forked it, with whatever locks and sockets the others held at that instant; ranks forked
+    that way were seen to hang before they joined the group. A fork server is a separate process,
+    started once (with torch and the jobs imported, see `launch`) and kept, that has no such
+    threads; each rank is forked from it, so a job starts fast and clean. `spawn` starts a fresh
+    interpreter per rank that imports torch again: the same guarantees, more seconds per job.
     """
-    return "fork" if sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods() else "spawn"
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
 def launch(fn: Callable, nprocs: int, *args, timeout: float = 300.0, method: str | None = None, **kwargs) -> list:
     """Run `fn(rank, nprocs, *args, **kwargs)` in `nprocs` processes joined in one gloo group on loopback.
 
-    Returns what each rank returned, in rank order (`fn` must be importable, and its result
-    picklable, for the spawn method). Raises LaunchError if a rank raises or exits early (the other
-    ranks are stopped) or if the job runs past `timeout` seconds (every rank is stopped).
-    Start jobs that run at the same time from separate processes, not threads: a forked rank copies
-    only the thread that forked it, and a lock another thread held at that instant stays held in it.
+    Returns what each rank returned, in rank order (`fn` must be importable, and its arguments and
+    result picklable: a fork server or spawn pickles them). Raises LaunchError if a rank raises or
+    exits early (the other ranks are stopped) or if the job runs past `timeout` seconds (every rank
+    is stopped).
+    `method` is a multiprocessing start method (default: `default_start_method()`); jobs that run
+    at the same time belong in separate processes, not threads of one (with `fork`, a rank copies
+    only the thread that forked it, and a lock another thread held at that instant stays held in it).
     """
     if not callable(fn):
         fail("fn", "a function fn(rank, world, *args)", type(fn).__name__)
@@ -84,6 +91,8 @@ def launch(fn: Callable, nprocs: int, *args, timeout: float = 300.0, method: str
     method = default_start_method() if method is None else method
     if method not in mp.get_all_start_methods():
         fail("method", f"one of {mp.get_all_start_methods()}", repr(method))
+    if method == "forkserver":  # taken into account when the server starts, the first time only
+        forkserver.set_forkserver_preload(["torch", "torch.distributed", "labcode.distributed.jobs"])
     wait = datetime.timedelta(seconds=timeout)
     # The store binds port 0 and keeps it: the port is this job's from the start (no race with other jobs).
     store = dist.TCPStore(LOOPBACK, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=wait)
