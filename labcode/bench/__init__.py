@@ -416,6 +416,16 @@ def _stream_reason(values: dict, point: dict) -> str:
             + _floor_reason(ops))
 
 
+def _bound_reason(values: dict, point: dict) -> str:
+    """Why a point missed its prediction, by what bounds it: the rate of its products (compute) or of its streams."""
+    bound = point["predicted"]["bound"]
+    if bound == "compute":
+        return _rows_reason(values, point)
+    if bound == "memory":
+        return _stream_reason(values, point)
+    return ""  # the fixed cost: its measured value is in the record beside the point
+
+
 def _floor_reason(ops: dict, clock: str = "") -> str:
     """The operations farthest above their floor time, with the bandwidth each achieved."""
     rows = ops["operations" + clock]
@@ -508,8 +518,7 @@ def targets(values: dict, tolerance: float = 1.5) -> list[dict]:
                 "overhead_crossover_d_model": {p: summ["crossover"][p]["crossover_d_model"] for p in presets},
                 "reason_if_not_met": f"worst: {worst['kind']} of T={worst['t_new']} after S={worst['s_cached']} at "
                 f"{worst['preset']}, measured {worst['ratio']:.3g}x the prediction ({worst['predicted']['bound']}"
-                "-bound)" + {"compute": _rows_reason, "memory": _stream_reason}.get(worst["predicted"]["bound"],
-                                                                   lambda v, p: "")(values, worst)})
+                "-bound)" + _bound_reason(values, worst)})
     for preset, g in summ.get("generation", {}).items():
         run = values["generation"][preset]
         t = {"name": f"speedup_{preset}", "claim": f"cached generation at {preset} "

@@ -68,30 +68,34 @@ def fill_cache(cache, model: GPT, batch: int, length: int) -> None:
     cache.feed(kv, kv)
 
 
-def shrunk_model(cfg: GPTConfig, device: torch.device) -> GPT:
+def shrunk_config(cfg: GPTConfig) -> GPTConfig:
     """The same layers and heads with head dim 4 and a 64-token vocabulary: every call, almost no data."""
-    small = cfg.with_(d_model=4 * cfg.n_heads, vocab_size=64)
+    return cfg.with_(d_model=4 * cfg.n_heads, vocab_size=64)
+
+
+def shrunk_model(cfg: GPTConfig, device: torch.device) -> GPT:
+    """A model of `shrunk_config(cfg)`, seeded."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return GPT(small).to(device).eval()
+        return GPT(shrunk_config(cfg)).to(device).eval()
 
 
+@torch.inference_mode()
 def measure_overhead(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 11,
                      min_s: float = 0.5) -> dict:
     """Seconds per tensor operation of a cached decode step of `shrunk_model(cfg)`: its step time / its operations.
 
-    The step is timed like a decode point of the roofline (`time_point`), in rounds from
-    the same cached length until `min_s` seconds of steps are in: the median of a few
-    hundred steps, which a moment of other work on the machine barely moves.
+    The steps are timed in rounds of `steps` from the same cached length (`overhead_probe`)
+    until `min_s` seconds of them are in: the median of a few hundred steps, which a moment of
+    other work on the machine barely moves.
     """
-    model = shrunk_model(cfg, device)
-    position = min(position, cfg.context_length // 2)
-    steps = max(1, min(steps, cfg.context_length - position - 3))
-    row = time_point(model, "decode", 1, position, repeats=steps, min_s=min_s)
-    ops, wall, cpu = row["ops"], row["step_s"], row["step_cpu_s"]
-    return {"d_model": model.cfg.d_model, "vocab_size": 64, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+    ops, probe = overhead_probe(cfg, device, position, steps)
+    runs, _ = timed_rounds(probe, min_s)
+    wall, cpu = median([w for w, _ in runs]), median([c for _, c in runs])
+    small = shrunk_config(cfg)
+    return {"d_model": small.d_model, "vocab_size": small.vocab_size, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "ops_per_step": ops, "step_s": wall, "step_cpu_s": cpu, "s_per_op": wall / ops, "cpu_s_per_op": cpu / ops,
-            "steps_timed": row["timed"]}
+            "steps_timed": len(runs)}
 
 
 def measure_peak(device: torch.device, n: int = 1024, repeats: int = 7) -> dict:
@@ -139,10 +143,9 @@ def machine_of(measured: dict, clock: str = "wall") -> Machine:
     Where the result holds products of few rows (`measure_rows`, under "rows"), the
     compute-bound ones are the machine's `row_ceilings`.
     """
-    base = Machine(**measured[clock])
-    if not measured.get("rows"):
-        return base
-    return Machine(**measured[clock], row_ceilings=row_ceilings(measured["rows"], clock, base.balance))
+    m = measured[clock]
+    balance = m["peak_flops_per_s"] / m["bandwidth_bytes_per_s"]
+    return Machine(**m, row_ceilings=row_ceilings(measured.get("rows", []), clock, balance))
 
 
 def machine_at(measured: dict, point: dict, clock: str = "wall") -> Machine:
@@ -196,6 +199,19 @@ def cost_of(cfg: GPTConfig, kind: str, t_new: int, s_cached: int, batch: int = 1
     if kind == "decode":
         return decode_cost(cfg, s_cached, batch)
     return uncached_cost(cfg, t_new, batch)
+
+
+def timed_rounds(one_round, min_s: float = 0.0, max_rounds: int = 50, beside=None) -> tuple[list, list]:
+    """(wall, CPU) seconds of the calls of `one_round()`, called until they add up to `min_s` seconds (once at
+    least, `max_rounds` times at most), and those of `beside()`, called after every round if given."""
+    runs, other = [], []
+    for _ in range(max_rounds):
+        runs += one_round()
+        if beside is not None:
+            other += beside()
+        if sum(w for w, _ in runs) >= min_s:
+            break
+    return runs, other
 
 
 def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int, warmup: int) -> tuple[int, object]:
@@ -268,11 +284,7 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
             return [timed_cpu(call(), device) for _ in range(repeats)]
 
         s_mid = s_cached
-    runs, other = [], []
-    while not runs or (sum(w for w, _ in runs) < min_s and len(runs) < max_rounds * repeats):
-        runs += one_round()
-        if beside is not None:
-            other += beside()
+    runs, other = timed_rounds(one_round, min_s, max_rounds, beside)
     walls, cpus = [w for w, _ in runs], [c for _, c in runs]
     out = {"kind": kind, "t_new": t_new, "s_cached": s_cached, "s_mid": s_mid, "batch": batch, "ops": ops,
            "step_s": median(walls), "step_cpu_s": median(cpus), "step_min_s": min(walls), "timed": len(runs)}
