@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from labcode.checkpoint import DEFAULT_CHECKPOINT, save_checkpoint
 from labcode.config import GPTConfig, get_config
 from labcode.corpus import make_corpus
 from labcode.model import GPT
 from labcode.tokenizer import CharTokenizer
+from labcode.weights.checkpoint import DEFAULT_CHECKPOINT, save_checkpoint
 
 
 def train(cfg: GPTConfig, steps: int = 1500, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,

@@ -23,7 +23,6 @@ from helpers import TOL64, build, rejected
 
 from labcode import GPTConfig
 from labcode.caches import CacheError, ConcatCache, GrowableCache, WindowCache
-from labcode.checkpoint import load_checkpoint
 from labcode.distributed import (
     LaunchError,
     TransferError,
@@ -43,6 +42,7 @@ from labcode.distributed.tensor_parallel import split_attention
 from labcode.distributed.transfer import MAGIC, PREFIX, fingerprint, frame, read_frame
 from labcode.engines import BlockPool, PagedCache, QuantizedCache
 from labcode.generate import generate, prefill
+from labcode.weights.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # defined in conftest.py
 

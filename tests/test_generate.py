@@ -10,10 +10,10 @@ from helpers import CORE, ONE_ROW, TOL64, build, make_cache, rejected
 from labcode import GPTConfig
 from labcode.caches import CacheError, ConcatCache, PairsCache, RingCache, WindowCache
 from labcode.caches.base import snapshot, states_equal
-from labcode.checkpoint import load_checkpoint
 from labcode.engines import BlockPool, CellsCache, PagedCache, ScatteredCache
 from labcode.generate import chunk_length, decode_step, generate, generate_nocache, new_token_budget, prefill
 from labcode.tokenizer import CharTokenizer
+from labcode.weights.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # defined in conftest.py
 TOL32_TRAINED = 1e-4  # float32 on the trained model, whose logits reach ~10: measured up to ~1.5e-5 at 64 positions

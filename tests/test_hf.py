@@ -1,4 +1,4 @@
-"""The bridge to Hugging Face (`labcode.hf`): the course's GPT is GPT-2, logit for logit.
+"""The bridge to Hugging Face (`labcode.weights.hf_gpt2`): the course's GPT is GPT-2, logit for logit.
 
 Models are built from configs and weights from seeded generators; nothing is downloaded. The
 GPT-2-shaped checks run at GPT-2 124M's width (C = 768, H = 12) over its whole position table
@@ -18,22 +18,19 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, GPT2Tokenize
 
 from labcode import GPT, get_config
 from labcode.caches import ConcatCache
-from labcode.checkpoint import load_checkpoint
 from labcode.generate import generate, generate_nocache
-from labcode.hf import (
+from labcode.tokenizer import CharTokenizer
+from labcode.weights.checkpoint import load_checkpoint
+from labcode.weights.hf_gpt2 import (
     ConversionError,
     HFTokenizer,
-    PretrainedUnavailable,
     from_hf,
     gpt_config,
     hf_config,
     hf_state_dict,
-    load_pretrained_gpt2,
-    main,
-    pretrained_available,
     to_hf,
 )
-from labcode.tokenizer import CharTokenizer
+from labcode.weights.pretrained import PretrainedUnavailable, load_pretrained_gpt2, main, pretrained_available
 
 TOL64 = 1e-12  # float64: the course's bar for "the same computation"
 TOL32 = 1e-4  # float32 logits: rounding of a 124M-parameter model, with room for other CPUs' kernels
@@ -270,7 +267,7 @@ def test_pretrained_path_reads_the_local_cache_only_unless_asked(monkeypatch):
 
     monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", offline)
     with pytest.raises(PretrainedUnavailable, match=r"^name: expected GPT-2 weights 'gpt2' in the local Hugging Face "
-                                                    r"cache, got none \(download them once: python -m labcode.hf"):
+                       r"cache, got none \(download them once: python -m labcode.weights.pretrained"):
         load_pretrained_gpt2("gpt2")
     with pytest.raises(PretrainedUnavailable, match="in the local Hugging Face cache or on the Hub, got none"):
         load_pretrained_gpt2("gpt2", download=True)

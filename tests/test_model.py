@@ -16,7 +16,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labcode.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
 from labcode.config import PRESETS, GPTConfig, get_config
 from labcode.corpus import make_corpus
 from labcode.generate import generate_nocache
@@ -24,6 +23,7 @@ from labcode.model import GPT
 from labcode.sampling import sample_next
 from labcode.tokenizer import ALPHABET, CharTokenizer
 from labcode.train import train
+from labcode.weights.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
 
 F64_TOL = 1e-12  # float64 logits: the course's equivalence bar
 

@@ -32,7 +32,7 @@ def test_pins_keep_torch_and_jupyter_book_in_range():
 def test_importing_labcode_has_no_side_effects():
     code = (
         "import torch; torch.manual_seed(123); t = torch.get_num_threads(); a = torch.rand(3);"
-        "torch.manual_seed(123); import labcode, labcode.caches, labcode.generate, labcode.checkpoint;"
+        "torch.manual_seed(123); import labcode, labcode.caches, labcode.generate, labcode.weights.checkpoint;"
         "assert torch.get_num_threads() == t; assert torch.equal(torch.rand(3), a)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

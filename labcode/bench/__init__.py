@@ -57,12 +57,12 @@ from labcode.bench.roofline import (
     summary,
 )
 from labcode.bench.timing import Streamer, linear_layouts, matmul_flops_per_s, op_overhead
-from labcode.checkpoint import default_device
 from labcode.config import get_config
 from labcode.flops import forward_flops, measure_flops
 from labcode.model import GPT
 from labcode.results import QAResult, recorded
 from labcode.roofline import decode_cost, predict, prefill_cost, uncached_cost
+from labcode.weights.checkpoint import default_device
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from labcode.bench import SIZES, run_benchmarks
-from labcode.checkpoint import default_device
+from labcode.weights.checkpoint import default_device
 
 
 def main(argv: list[str] | None = None) -> int:

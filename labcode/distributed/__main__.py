@@ -18,12 +18,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from labcode.checkpoint import load_checkpoint
 from labcode.config import get_config
 from labcode.distributed import jobs, verify
 from labcode.distributed.launch import join_from_env, launch, torchrun_world
 from labcode.model import GPT
 from labcode.tokenizer import CharTokenizer
+from labcode.weights.checkpoint import load_checkpoint
 
 
 def build_model(args) -> GPT:

@@ -4,7 +4,7 @@ Introduced in chapter 9. The course's model is GPT-2 exactly: the same learned p
 pre-LayerNorm blocks (eps 1e-5), tanh-approximated GELU and tied output head. Only the storage
 differs: the course keeps `q_proj` and `kv_proj` as `nn.Linear` ([out, in]); GPT-2 keeps one
 fused `c_attn` (Q, K, V in that order) and stores every projection as `Conv1D` ([in, out]).
-`load_pretrained_gpt2` (in `labcode.pretrained`, which imports this module only when the weights are
+`load_pretrained_gpt2` (in `labcode.weights.pretrained`, which imports this module only when the weights are
 there) brings OpenAI's weights into the course model for readers who are online; it never downloads
 unless asked to.
 """
@@ -20,12 +20,9 @@ with warnings.catch_warnings():  # in a notebook without ipywidgets, transformer
     warnings.simplefilter("ignore", TqdmWarning)
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from labcode.checkpoint import default_device
 from labcode.config import GPTConfig
 from labcode.model import GPT
-from labcode.pretrained import PretrainedUnavailable as PretrainedUnavailable  # re-exported: the CLI below
-from labcode.pretrained import load_pretrained_gpt2 as load_pretrained_gpt2
-from labcode.pretrained import pretrained_available as pretrained_available
+from labcode.weights.checkpoint import default_device
 
 # Both spell GPT-2's tanh approximation of GELU (the course's `nn.GELU(approximate="tanh")`):
 # "gelu_new" is OpenAI's formula written out, "gelu_pytorch_tanh" calls the same PyTorch kernel.
@@ -216,7 +213,7 @@ class HFTokenizer:
 def read_pretrained(name: str, download: bool, dtype: torch.dtype,
                     device: str | torch.device | None) -> tuple[GPT, HFTokenizer]:
     """GPT-2 weights `name` read by transformers (from the local cache only unless `download`) as a course
-    model in eval mode, with their tokenizer: the work behind `labcode.pretrained.load_pretrained_gpt2`,
+    model in eval mode, with their tokenizer: the work behind `labcode.weights.pretrained.load_pretrained_gpt2`,
     which asks for it once it knows the weights are there. Raises OSError, as transformers does, when
     they are not."""
     hf = GPT2LMHeadModel.from_pretrained(name, local_files_only=not download)
@@ -225,25 +222,3 @@ def read_pretrained(name: str, download: bool, dtype: torch.dtype,
             tok.vocab_size)
     model = from_hf(hf).to(device=default_device() if device is None else torch.device(device), dtype=dtype)
     return model.eval(), tok
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m labcode.hf --download [NAME]`: fetch pretrained GPT-2 once into the Hugging Face cache."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m labcode.hf", description=main.__doc__)
-    parser.add_argument("--download", metavar="NAME", nargs="?", const="gpt2", required=True,
-                        help="model to fetch from the Hugging Face Hub (default: gpt2, about 550 MB)")
-    args = parser.parse_args(argv)
-    try:
-        model, tok = load_pretrained_gpt2(args.download, download=True, device="cpu")
-    except PretrainedUnavailable as e:
-        print(e)
-        return 1
-    print(f"{args.download}: {model.num_params():,} parameters, V = {tok.vocab_size}, "
-          f"context {model.cfg.context_length}; cached for load_pretrained_gpt2({args.download!r})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

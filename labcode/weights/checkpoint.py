@@ -14,7 +14,7 @@ import torch
 from labcode.config import GPTConfig
 from labcode.model import GPT
 
-DEFAULT_CHECKPOINT = Path(__file__).parent / "data" / "tiny.pt"
+DEFAULT_CHECKPOINT = Path(__file__).parent.parent / "data" / "tiny.pt"
 
 
 def save_checkpoint(model: GPT, path: str | Path, meta: dict | None = None) -> None:

@@ -3,9 +3,9 @@ importing transformers when they are not there.
 
 Introduced in chapter 1 (its optional GPT-2 cell). `pretrained_available` looks in a local folder
 or the Hugging Face cache, asking no network; `load_pretrained_gpt2` answers "not here" from that
-alone, and only when the weights are there imports `labcode.hf` (and with it transformers, a few
-seconds) to convert them (chapter 9 explains the conversion). Nothing is downloaded unless asked
-for: `python -m labcode.hf --download gpt2` fetches the 124M model once.
+alone, and only when the weights are there imports `labcode.weights.hf_gpt2` (and with it
+transformers, a few seconds) to convert them (chapter 9 explains the conversion). Nothing is downloaded unless asked
+for: `python -m labcode.weights.pretrained --download gpt2` fetches the 124M model once.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from labcode.hf import HFTokenizer
     from labcode.model import GPT
+    from labcode.weights.hf_gpt2 import HFTokenizer
 
 
 class PretrainedUnavailable(OSError):
@@ -52,12 +52,35 @@ def load_pretrained_gpt2(name: str = "gpt2", *, download: bool = False, dtype: t
     Raises PretrainedUnavailable when the files are not there. Returns the model in eval mode.
     """
     where = "in the local Hugging Face cache or on the Hub" if download else "in the local Hugging Face cache"
-    hint = "" if download else " (download them once: python -m labcode.hf --download " + name + ")"
+    hint = "" if download else " (download them once: python -m labcode.weights.pretrained --download " + name + ")"
     if not download and not pretrained_available(name):  # answered without importing transformers
         raise PretrainedUnavailable(f"name: expected GPT-2 weights {name!r} {where}, got none{hint}")
-    from labcode import hf  # imports transformers (a few seconds), without the tqdm widget warning
+    from labcode.weights import hf_gpt2  # imports transformers (a few seconds), without the tqdm widget warning
 
     try:
-        return hf.read_pretrained(name, download, dtype, device)
+        return hf_gpt2.read_pretrained(name, download, dtype, device)
     except OSError as e:  # transformers and huggingface_hub report missing files and no network as OSError
         raise PretrainedUnavailable(f"name: expected GPT-2 weights {name!r} {where}, got none{hint}: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m labcode.weights.pretrained --download [NAME]`: fetch pretrained GPT-2 once into the
+    Hugging Face cache."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m labcode.weights.pretrained", description=main.__doc__)
+    parser.add_argument("--download", metavar="NAME", nargs="?", const="gpt2", required=True,
+                        help="model to fetch from the Hugging Face Hub (default: gpt2, about 550 MB)")
+    args = parser.parse_args(argv)
+    try:
+        model, tok = load_pretrained_gpt2(args.download, download=True, device="cpu")
+    except PretrainedUnavailable as e:
+        print(e)
+        return 1
+    print(f"{args.download}: {model.num_params():,} parameters, V = {tok.vocab_size}, "
+          f"context {model.cfg.context_length}; cached for load_pretrained_gpt2({args.download!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
