@@ -20,12 +20,14 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def claim(value: float, bound: float, what: str = "rounding") -> str:
-    """The claim a rounding-level `value` supports, "≤ 1e-12 (rounding)"; raises AssertionError if it fails.
+    """The claim a rounding-level `value` supports, "≤ 1e-12 (rounding)"; raises AssertionError if it
+    fails, and for a NaN or an infinity, which measured nothing.
 
     Its digits depend on the CPU, so a page shows the bound it is held to; the exact value
     belongs in a result file or in a hidden cell.
     """
-    assert value <= bound, f"{what}: expected at most {bound:g}, got {value!r}"
+    # NaN fails "<=" on its own; -inf would pass it, and an infinity measured nothing either.
+    assert math.isfinite(value) and value <= bound, f"{what}: expected at most {bound:g}, got {value!r}"
     return f"≤ {bound_text(bound)} ({what})"
 
 
@@ -36,7 +38,7 @@ def bound_text(bound: float) -> str:
 
 def within(value: float, bound: float, digits: int = 2) -> str:
     """'≤1e-12' when `value` is at most `bound` (its digits are rounding and move between CPUs), else the value."""
-    return f"≤{bound_text(bound)}" if value <= bound else sig(value, digits)
+    return f"≤{bound_text(bound)}" if math.isfinite(value) and value <= bound else sig(value, digits)
 
 
 def sig(value: float, digits: int = 3) -> str:

@@ -130,6 +130,20 @@ def _plain(value):
     return value
 
 
+def finite(value) -> bool:
+    """True when every number in `value` (a number, or a list or dict of them) is finite; strings,
+    booleans and None hold no number and count as finite."""
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all()) if value.is_floating_point() else True
+    if isinstance(value, dict):
+        return all(finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(finite(v) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return True
+
+
 def write_json_atomic(path: str | Path, document: dict) -> Path:
     """Write `document` to `path` through a temporary file and a rename: never half-written."""
     path = Path(path)
@@ -177,9 +191,10 @@ class QAResult:
             raise ValueError(f"comparison: expected one of {sorted(COMPARISONS)}, got {comparison!r}")
         if isinstance(value, torch.Tensor):
             value = value.item() if value.numel() == 1 else value.tolist()
-        # The verdict is taken on the numbers themselves (inf or NaN fail a "<=" check), then they
-        # are stored in their JSON-friendly form.
-        passed = bool(COMPARISONS[comparison](value, tolerance))
+        # The verdict is taken on the numbers themselves, then they are stored in their JSON-friendly
+        # form. A NaN or an infinity measured nothing: it fails under every comparison (NaN fails
+        # each on its own, but +inf would pass ">=" and -inf "<=").
+        passed = finite(value) and bool(COMPARISONS[comparison](value, tolerance))
         value, tolerance = _plain(value), _plain(tolerance)
         self.doc["checks"].append(
             {"name": name, "claim": claim, "value": value, "tolerance": tolerance,

@@ -62,10 +62,41 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _non_finite(x) -> bool:
+    """A NaN or an infinity, as a float or in the string form `labcode.results` writes it in."""
+    if isinstance(x, float):
+        return not math.isfinite(x)
+    return isinstance(x, str) and x.strip().lower() in ("nan", "-nan", "inf", "-inf", "infinity", "-infinity")
+
+
+def _same_infinity(new, old) -> bool:
+    """Both the same infinity (a committed infinite critical batch regenerated as one); NaN never is."""
+    as_float = lambda x: float(x) if isinstance(x, (float, str)) else math.nan  # noqa: E731
+    return _non_finite(new) and _non_finite(old) and math.isinf(as_float(new)) and as_float(new) == as_float(old)
+
+
+def _leaves(x, path: str):
+    if isinstance(x, dict):
+        return [leaf for k, v in x.items() for leaf in _leaves(v, f"{path}.{k}")]
+    if isinstance(x, list):
+        return [leaf for i, v in enumerate(x) for leaf in _leaves(v, f"{path}[{i}]")]
+    return [(path, x)]
+
+
+def non_finite_differences(new, old, path: str) -> list[str]:
+    """Every NaN or infinity in `new` that the committed value does not hold at the same place: a
+    measurement that produced nothing, whatever the rule (a recorded timing included)."""
+    committed = dict(_leaves(old, path))
+    return [f"{p}: {x!r} is not a finite number (committed {committed.get(p)!r})" for p, x in _leaves(new, path)
+            if _non_finite(x) and not _same_infinity(x, committed.get(p))]
+
+
 def differences(new, old, path: str, rule: dict) -> list[str]:
-    """Where `new` and `old` (JSON values) differ under `rule`; [] when they agree."""
-    if rule["compare"] == "recorded":
-        return []
+    """Where `new` and `old` (JSON values) differ under `rule`; [] when they agree. A NaN or an infinity
+    in `new` differs under every rule, unless the committed value is the same infinity."""
+    bad = non_finite_differences(new, old, path)
+    if bad or rule["compare"] == "recorded":
+        return bad
     if isinstance(old, dict) and isinstance(new, dict):
         if set(new) != set(old):
             return [f"{path}: keys {sorted(set(new) ^ set(old))} added or missing"]
@@ -246,3 +277,54 @@ def test_comparison_rejects_real_differences(change, expected):
     change(new)
     found = compare(new, _doc())
     assert any(expected in f for f in found), found
+
+
+# -- a regenerated NaN or infinity never matches --------------------------------------------------
+
+RULES = {"exact": exact(), "close-abs": close(abs_tol=1e-12), "close-rel": close(rel_tol=1e-9),
+         "float32": close(rel_tol=1e-3), "rounding": close(abs_tol=1e-3), "recorded": recorded("a timing")}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), "nan", "inf", "-inf"], ids=repr)
+@pytest.mark.parametrize("where", ["scalar", "list", "dict"])
+def test_comparison_rejects_a_non_finite_value_under_every_rule(rule, bad, where):
+    """A broken cache's NaN logits regenerate a NaN difference: the comparison must report it, as a
+    float or in the string form results are written in, alone or inside a list or a dict."""
+    committed = {"scalar": 4.4e-16, "list": [4.4e-16, 0.5], "dict": {"rows": 6, "err": 4.4e-16}}[where]
+    regenerated = {"scalar": bad, "list": [bad, 0.5], "dict": {"rows": 6, "err": bad}}[where]
+    old, new = _doc(), _doc()
+    for doc, value in ((old, committed), (new, regenerated)):
+        doc["values"]["probe"] = value
+        doc["rules"]["probe"] = RULES[rule]
+    assert compare(_doc(), _doc()) == []
+    found = compare(new, old)
+    assert any("values.probe" in f and "not a finite number" in f for f in found), found
+
+
+@pytest.mark.parametrize("comparison", ["<=", "<", ">=", ">", "=="])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=repr)
+def test_comparison_rejects_a_check_that_measured_nothing(comparison, bad):
+    """The check itself fails in the library (tests/test_nonfinite_verdicts.py), so the regenerated
+    verdict differs from the committed one under every comparison."""
+    from labcode.results import QAResult
+
+    qa = QAResult("x", {})
+    qa.check("eq", "equal", bad, 1e-12 if comparison in ("<=", "<") else 1.0, comparison)
+    new, old = _doc(), _doc()
+    for doc in (new, old):
+        doc["checks"][0].update(comparison=comparison, tolerance=qa.doc["checks"][0]["tolerance"])
+    new["checks"][0].update(value=qa.doc["checks"][0]["value"], passed=qa.doc["checks"][0]["passed"])
+    new["passed"] = qa.doc["passed"]
+    found = compare(new, old)
+    assert any("check eq: passed False" in f for f in found) and any(f.startswith("passed:") for f in found), found
+
+
+def test_a_committed_infinity_regenerated_as_the_same_infinity_matches():
+    old, new = _doc(), _doc()
+    for doc in (old, new):
+        doc["values"]["critical_batch"] = "inf"
+        doc["rules"]["critical_batch"] = exact()
+    assert compare(new, old) == []
+    new["values"]["critical_batch"] = "-inf"
+    assert compare(new, old)
