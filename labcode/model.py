@@ -1,9 +1,12 @@
-"""The one GPT-2-architecture model of the course.
+"""The one model of the course: GPT-2's architecture, with the options of the Llama family.
 
 Introduced in chapter 1; the cache hooks are taught in chapters 3 to 5.
-Token embedding plus a learned position table (or rotary positions), pre-LayerNorm
+Token embedding plus a learned position table (or rotary positions), pre-norm
 blocks, causal multi-head (or grouped-query) attention, a 4x tanh-GELU MLP, a final
-LayerNorm and an output head tied to the token embedding.
+norm and an output head tied to the token embedding. The Llama-family options
+(`GPTConfig.norm`, `mlp`, `d_ff`, `bias`) swap in RMSNorm, a SwiGLU feed-forward and
+projections without biases: with rotary positions and grouped-query attention, that is
+SmolLM2-135M (the preset `smollm2-135m`).
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim)
-        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim)
-        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         # State of the naive cache (chapter 3): held here only while `use_cache=True` is used.
         self.cache_k: torch.Tensor | None = None
         self.cache_v: torch.Tensor | None = None
@@ -99,20 +102,48 @@ class CausalSelfAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+class SwiGLU(nn.Module):
+    """Llama's gated feed-forward: down(silu(gate(x)) * up(x)), [B, T, C] -> [B, T, C]."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=1e-5)
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(F.silu(self.gate(x)) * self.up(x)))
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    """The model's norm: LayerNorm (GPT-2) or RMSNorm (Llama), over the model width."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def feed_forward(cfg: GPTConfig) -> nn.Module:
+    """GPT-2's MLP (up, tanh GELU, down) or Llama's SwiGLU."""
+    if cfg.mlp == "swiglu":
+        return SwiGLU(cfg)
+    return nn.Sequential(
+        nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias),
+        nn.GELU(approximate="tanh"),
+        nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias),
+        nn.Dropout(cfg.dropout),
+    )
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=1e-5)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model),
-            nn.GELU(approximate="tanh"),
-            nn.Linear(4 * cfg.d_model, cfg.d_model),
-            nn.Dropout(cfg.dropout),
-        )
+        self.ln_2 = norm(cfg)
+        self.mlp = feed_forward(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
@@ -122,8 +153,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 architecture. `forward(ids)` is the full pass every cache is checked against
-    (banded when `cfg.sliding_window` is set: each query sees its last W keys).
+    """GPT-2 architecture, or a Llama-family model by its config. `forward(ids)` is the full pass every
+    cache is checked against (banded when `cfg.sliding_window` is set: each query sees its last W keys).
 
     Three ways to hold the cache, one pass (`labcode.caches.styles.as_cache` turns each into a cache object):
       * `forward(ids, cache)` with a `labcode.caches` object (chapters 3 and 5);
@@ -138,11 +169,11 @@ class GPT(nn.Module):
         self.pos_emb = None if cfg.rotary else nn.Embedding(cfg.context_length, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=1e-5)
+        self.ln_f = norm(cfg)
         self.current_pos = 0  # naive cache (chapter 3): model-level position counter
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("out_proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("out_proj.weight", "mlp.2.weight", "mlp.down.weight")):
                 _normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod

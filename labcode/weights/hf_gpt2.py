@@ -34,7 +34,7 @@ class ConversionError(ValueError):
     """A model or config that the other side cannot express; raised before anything is built."""
 
 
-def _expect(ok: bool, argument: str, expected: str, got: object) -> None:
+def expect(ok: bool, argument: str, expected: str, got: object) -> None:
     if not ok:
         raise ConversionError(f"{argument}: expected {expected}, got {got!r}")
 
@@ -43,10 +43,10 @@ def _expect(ok: bool, argument: str, expected: str, got: object) -> None:
 
 def hf_config(cfg: GPTConfig) -> GPT2Config:
     """The `GPT2Config` of a course config; raises ConversionError for what GPT-2 cannot express."""
-    _expect(isinstance(cfg, GPTConfig), "cfg", "a GPTConfig", type(cfg).__name__)
-    _expect(not cfg.rotary, "cfg.rotary", "False (GPT-2 has a learned position table, no rotary positions)",
+    expect(isinstance(cfg, GPTConfig), "cfg", "a GPTConfig", type(cfg).__name__)
+    expect(not cfg.rotary, "cfg.rotary", "False (GPT-2 has a learned position table, no rotary positions)",
             cfg.rotary)
-    _expect(cfg.n_kv_heads == cfg.n_heads, "cfg.n_kv_heads",
+    expect(cfg.n_kv_heads == cfg.n_heads, "cfg.n_kv_heads",
             f"n_heads = {cfg.n_heads} (GPT-2 has no grouped-query attention)", cfg.n_kv_heads)
     return GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.context_length, n_embd=cfg.d_model, n_layer=cfg.n_layers,
@@ -62,26 +62,26 @@ def hf_config(cfg: GPTConfig) -> GPT2Config:
 
 def gpt_config(config: GPT2Config) -> GPTConfig:
     """The course config of a `GPT2Config`; raises ConversionError for what the course model cannot express."""
-    _expect(getattr(config, "model_type", None) == "gpt2", "config.model_type", "'gpt2'",
+    expect(getattr(config, "model_type", None) == "gpt2", "config.model_type", "'gpt2'",
             getattr(config, "model_type", type(config).__name__))
     c = config.n_embd
-    _expect(config.activation_function in TANH_GELU, "config.activation_function",
+    expect(config.activation_function in TANH_GELU, "config.activation_function",
             f"one of {TANH_GELU} (the tanh GELU)", config.activation_function)
-    _expect(config.layer_norm_epsilon == LAYER_NORM_EPS, "config.layer_norm_epsilon", LAYER_NORM_EPS,
+    expect(config.layer_norm_epsilon == LAYER_NORM_EPS, "config.layer_norm_epsilon", LAYER_NORM_EPS,
             config.layer_norm_epsilon)
-    _expect(config.n_inner in (None, 4 * c), "config.n_inner", f"None or 4 * n_embd = {4 * c}", config.n_inner)
-    _expect(config.scale_attn_weights, "config.scale_attn_weights", "True (scores scaled by 1/sqrt(D))",
+    expect(config.n_inner in (None, 4 * c), "config.n_inner", f"None or 4 * n_embd = {4 * c}", config.n_inner)
+    expect(config.scale_attn_weights, "config.scale_attn_weights", "True (scores scaled by 1/sqrt(D))",
             config.scale_attn_weights)
-    _expect(not config.scale_attn_by_inverse_layer_idx, "config.scale_attn_by_inverse_layer_idx", "False",
+    expect(not config.scale_attn_by_inverse_layer_idx, "config.scale_attn_by_inverse_layer_idx", "False",
             config.scale_attn_by_inverse_layer_idx)
     # It computes scores in float32 whatever the model's dtype, which float64 comparisons would see.
-    _expect(not config.reorder_and_upcast_attn, "config.reorder_and_upcast_attn", "False",
+    expect(not config.reorder_and_upcast_attn, "config.reorder_and_upcast_attn", "False",
             config.reorder_and_upcast_attn)
-    _expect(not config.add_cross_attention, "config.add_cross_attention", "False", config.add_cross_attention)
-    _expect(config.tie_word_embeddings, "config.tie_word_embeddings", "True (the course ties its head)",
+    expect(not config.add_cross_attention, "config.add_cross_attention", "False", config.add_cross_attention)
+    expect(config.tie_word_embeddings, "config.tie_word_embeddings", "True (the course ties its head)",
             config.tie_word_embeddings)
     drops = (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop)
-    _expect(len(set(drops)) == 1, "config.resid_pdrop, embd_pdrop, attn_pdrop",
+    expect(len(set(drops)) == 1, "config.resid_pdrop, embd_pdrop, attn_pdrop",
             "one rate (the course model has a single dropout)", drops)
     return GPTConfig(vocab_size=config.vocab_size, context_length=config.n_positions, n_layers=config.n_layer,
                      n_heads=config.n_head, d_model=c, dropout=float(drops[0]))
@@ -134,7 +134,7 @@ def to_hf(model: GPT, attn_implementation: str | None = None) -> GPT2LMHeadModel
 
     `attn_implementation` ("eager", "sdpa", ...) picks Hugging Face's attention kernel (None: its default).
     """
-    _expect(isinstance(model, GPT), "model", "a labcode GPT", type(model).__name__)
+    expect(isinstance(model, GPT), "model", "a labcode GPT", type(model).__name__)
     config = hf_config(model.cfg)
     config.dtype = model.dtype  # what save_pretrained records
     if attn_implementation is not None:
@@ -144,13 +144,13 @@ def to_hf(model: GPT, attn_implementation: str | None = None) -> GPT2LMHeadModel
     state = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in hf_state_dict(model).items()}
     hf.load_state_dict(state, strict=True, assign=True)
     hf.tie_weights()  # assign=True replaced the tied head with its own copy; share the embedding again
-    _expect(hf.lm_head.weight is hf.transformer.wte.weight, "lm_head.weight", "tied to transformer.wte.weight",
+    expect(hf.lm_head.weight is hf.transformer.wte.weight, "lm_head.weight", "tied to transformer.wte.weight",
             "a separate tensor")
-    _no_meta(hf, "to_hf")
+    no_meta(hf, "to_hf")
     return hf.train(model.training)
 
 
-def _no_meta(module: torch.nn.Module, where: str) -> None:
+def no_meta(module: torch.nn.Module, where: str) -> None:
     """Raise if a tensor built on the meta device (a parameter, a buffer or a plain tensor attribute)
     was not set by the loaded weights."""
     left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
@@ -162,11 +162,11 @@ def _no_meta(module: torch.nn.Module, where: str) -> None:
 
 def from_hf(hf_model: GPT2LMHeadModel) -> GPT:
     """The course model computing what `hf_model` computes: same weights (copied), dtype, device, train/eval mode."""
-    _expect(isinstance(hf_model, GPT2LMHeadModel), "hf_model", "a transformers GPT2LMHeadModel",
+    expect(isinstance(hf_model, GPT2LMHeadModel), "hf_model", "a transformers GPT2LMHeadModel",
             type(hf_model).__name__)
     cfg = gpt_config(hf_model.config)
     state = hf_model.state_dict()
-    _expect(torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]), "hf_model.lm_head.weight",
+    expect(torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]), "hf_model.lm_head.weight",
             "equal to transformer.wte.weight (a tied head)", "a different tensor")
     weight = state["transformer.wte.weight"]
     with torch.device("meta"):  # shapes and layouts only: the random init of a 124M model costs seconds
@@ -176,7 +176,7 @@ def from_hf(hf_model: GPT2LMHeadModel) -> GPT:
     if missing:  # a non-persistent buffer would be left uninitialised by to_empty
         raise RuntimeError(f"from_hf: expected no buffers outside the state_dict, got {sorted(missing)}")
     model.load_state_dict(course_state_dict(state, cfg), strict=True)
-    _no_meta(model, "from_hf")
+    no_meta(model, "from_hf")
     return model.train(hf_model.training)
 
 
@@ -218,7 +218,7 @@ def read_pretrained(name: str, download: bool, dtype: torch.dtype,
     they are not."""
     hf = GPT2LMHeadModel.from_pretrained(name, local_files_only=not download)
     tok = HFTokenizer(AutoTokenizer.from_pretrained(name, local_files_only=not download))
-    _expect(tok.vocab_size <= hf.config.vocab_size, "tokenizer", f"at most the model's {hf.config.vocab_size} ids",
+    expect(tok.vocab_size <= hf.config.vocab_size, "tokenizer", f"at most the model's {hf.config.vocab_size} ids",
             tok.vocab_size)
     model = from_hf(hf).to(device=default_device() if device is None else torch.device(device), dtype=dtype)
     return model.eval(), tok
