@@ -23,7 +23,12 @@ NEW, COPIED = COLOURS[0], COLOURS[1]  # buffer diagrams: rows a pass wrote; old 
 SHARED = COLOURS[0]  # a block or cell held by several sequences
 OWN = COLOURS[1:5]  # then one colour per sequence
 FREE = "#9aa0a8"  # outlines of free blocks and empty cells
-SLOT_FONT = 8.5
+# Font sizes, in points: a diagram keeps its natural size on a phone (it scrolls sideways), so its
+# smallest print, 9.5 points, is about 14 px there and on a desk.
+SLOT_FONT = 9.5  # the character or position a slot holds
+LABEL_FONT = 9.5  # block ids, reference counts, table entries, row numbers, the head marker
+NAME_FONT = 11  # sequence names, "pool"
+TITLE_FONT = 11
 ROW_GAP = 4.0  # between the pool's slots and a sequence's, in slot widths
 
 
@@ -81,7 +86,7 @@ def draw_paged(ax, view: PagedView, title: str = "", n_blocks: int | None = None
     bs, names = view.block_size, list(view.tables)
     used = {b for t in view.tables.values() for b in t}
     n_blocks = min(len(view.refcount), max(used, default=-1) + 2) if n_blocks is None else n_blocks
-    step, strip = bs + 1, 0.7  # block width plus a gap; the label strip under a block's slots
+    step, strip = bs + 1, 0.9  # block width plus a gap; the label strip under a block's slots
     holders = {b: [n for n in names if b in view.tables[n]] for b in range(n_blocks)}
     content: dict[int, list[str]] = {}
     for name in names:
@@ -94,8 +99,9 @@ def draw_paged(ax, view: PagedView, title: str = "", n_blocks: int | None = None
         fill = None if not who else SHARED if len(who) > 1 else OWN[names.index(who[0]) % len(OWN)]
         _box(ax, x, -strip, bs, 1 + strip, fill, edge=INK if who else FREE)
         _slots(ax, x, 0, content.get(b, []) if who else [], bs)
-        label = f"#{b}  ref {view.refcount[b]}" if who else f"#{b} free"
-        ax.text(x + bs / 2, -strip / 2, label, ha="center", va="center", fontsize=7.5, color=INK if who else FREE)
+        label = f"#{b} ref {view.refcount[b]}" if who else f"#{b} free"
+        ax.text(x + bs / 2, -strip / 2, label, ha="center", va="center", fontsize=LABEL_FONT,
+                color=INK if who else FREE)
     for name in names:
         y, table = rows[name], view.tables[name]
         colour = OWN[names.index(name) % len(OWN)]
@@ -103,18 +109,20 @@ def draw_paged(ax, view: PagedView, title: str = "", n_blocks: int | None = None
             x = i * step
             _box(ax, x, y - strip, bs, 1 + strip, colour, alpha=0.12)
             _slots(ax, x, y, list(view.texts[name][i * bs : (i + 1) * bs]), bs)
-            ax.text(x + bs / 2, y - strip / 2, f"→ #{block}", ha="center", va="center", fontsize=7.5, color=INK)
+            ax.text(x + bs / 2, y - strip / 2, f"→ #{block}", ha="center", va="center", fontsize=LABEL_FONT,
+                    color=INK)
             start = (x + bs / 2, y - strip) if y > 0 else (x + bs / 2, y + 1)
             end = (block * step + bs / 2, 1 if y > 0 else -strip)
             ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=8, color=colour,
                                          linewidth=1.0, shrinkA=1, shrinkB=1))
-        ax.text(-0.6, y + (1 - strip) / 2, name, ha="right", va="center", fontsize=10, color=INK,
+        ax.text(-0.6, y + (1 - strip) / 2, name, ha="right", va="center", fontsize=NAME_FONT, color=INK,
                 fontweight="bold")
-    ax.text(-0.6, (1 - strip) / 2, "pool", ha="right", va="center", fontsize=10, color=INK, fontweight="bold")
+    ax.text(-0.6, (1 - strip) / 2, "pool", ha="right", va="center", fontsize=NAME_FONT, color=INK,
+            fontweight="bold")
     top, bottom = max(rows.values(), default=0) + 1.2, min(min(rows.values(), default=0) - strip, -strip) - 0.3
     ax.set(xlim=(-4.2, n_blocks * step), ylim=(bottom, top + (0.9 if title else 0.2)))
     if title:
-        ax.text(-4.2, top + 0.8, title, ha="left", va="top", fontsize=9.5, color=INK)
+        ax.text(-4.2, top + 0.8, title, ha="left", va="top", fontsize=TITLE_FONT, color=INK)
     ax.set_aspect("equal")
     ax.set_axis_off()
 
@@ -155,17 +163,17 @@ def draw_cells(ax, view: CellsView, title: str = "", per_row: int = 16) -> None:
             _box(ax, x + k / len(who), y, 1 / len(who), 1, colour, edge="none", alpha=0.45)
         _box(ax, x, y, 1, 1, None, edge=INK if who else FREE)
         text = f"{view.pos[j]}" if view.pos[j] >= 0 else "·"
-        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=SLOT_FONT, color=INK if who else FREE)
+        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=NAME_FONT, color=INK if who else FREE)
         if j % per_row == 0:
-            ax.text(-0.25, y + 0.5, f"{j}", ha="right", va="center", fontsize=7.5, color=FREE)
+            ax.text(-0.25, y + 0.5, f"{j}", ha="right", va="center", fontsize=LABEL_FONT, color=FREE)
         if j == view.head:
             ax.add_patch(Polygon([(x + 0.5, y - 0.08), (x + 0.25, y - 0.45), (x + 0.75, y - 0.45)], closed=True,
                                  facecolor=INK, edgecolor="none"))
-            ax.text(x + 0.85, y - 0.3, "head", ha="left", va="center", fontsize=7.5, color=INK)
+            ax.text(x + 0.85, y - 0.3, "head", ha="left", va="center", fontsize=LABEL_FONT, color=INK)
     width = per_row * (1 + gap)
     ax.set(xlim=(-1.2, width), ylim=(-(rows - 1) * row_h - 0.65, 1.2 + (0.6 if title else 0)))
     if title:
-        ax.text(-1.2, 1.75, title, ha="left", va="top", fontsize=9.5, color=INK)
+        ax.text(-1.2, 1.75, title, ha="left", va="top", fontsize=TITLE_FONT, color=INK)
     ax.set_aspect("equal")
     ax.set_axis_off()
 
@@ -176,7 +184,7 @@ def cells_legend(ax, names: str) -> None:
 
     handles = [Patch(facecolor=OWN[i % len(OWN)], alpha=0.45, edgecolor=INK, linewidth=0.6, label=f"sequence {n}")
                for i, n in enumerate(names)]
-    ax.legend(handles=handles, loc="upper right", ncol=len(names), fontsize=8.5, handlelength=1.2,
+    ax.legend(handles=handles, loc="upper right", ncol=len(names), fontsize=LABEL_FONT, handlelength=1.2,
               bbox_to_anchor=(1.0, 1.0), borderaxespad=0.0)
 
 
@@ -276,7 +284,7 @@ def buffers_legend(ax) -> None:
     handles = [Patch(facecolor=NEW, alpha=0.35, edgecolor=INK, linewidth=0.6, label="written by the pass"),
                Patch(facecolor=COPIED, alpha=0.35, edgecolor=INK, linewidth=0.6, label="old, copied or moved"),
                Patch(facecolor="none", edgecolor=FREE, linewidth=0.6, label="free slot")]
-    ax.legend(handles=handles, loc="lower center", ncol=3, fontsize=9.5, handlelength=1.2,
+    ax.legend(handles=handles, loc="lower center", ncol=3, fontsize=LABEL_FONT, handlelength=1.2,
               bbox_to_anchor=(0.5, 1.0), borderaxespad=0.2)
 
 

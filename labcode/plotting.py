@@ -1,20 +1,31 @@
-"""Figures made for the book's page: one column wide, fonts readable at that width, at most six
-colours, and a transparent background that works in the light and the dark theme.
+"""Figures made for the book's page: one column wide, fonts readable on a desk and on a phone, at
+most six colours, and a transparent background that works in the light and the dark theme.
 
-Introduced in chapter 1 and used by every chapter that plots. The book's text column is about
-770 px wide; a figure of COLUMN_INCHES at DPI fills it at its natural size, so 10-point text is
-about 15 px high on the page. Ink is dark on a transparent background; in dark mode the book
-inverts each figure's lightness (book/_static/kvcv.css), so the palette holds colours of middle
-lightness that stay distinct either way. Captions and alt text belong to the notebook cell that
-shows the figure (see `caption_metadata`).
+Introduced in chapter 1 and used by every chapter that plots. A figure is at most COLUMN_INCHES
+wide. The page shows it at PAGE_DPI CSS px per inch (a full-width figure is about 650 px wide on a
+desk) and, on a 390 px phone, shrunk to the column's 358 px, so its text is sized for the phone: the
+style's smallest text, MIN_TEXT_PT, is about 17 px on a desk and 9 px or more on a phone
+(tests/test_browser.py measures every figure of the book there).
+
+In a notebook, `use_book_style` also makes the figures' PNGs sharp on high-density screens: each is
+drawn at RETINA times PAGE_DPI, shown at PAGE_DPI, and records the size of its smallest text
+(`page_png`). DPI is matplotlib's own figure resolution (the notebook's "Figure size 770x330").
+
+Ink is dark on a transparent background; in dark mode the book inverts each figure's lightness
+(book/_static/kvcv.css), so the palette holds colours of middle lightness that stay distinct either
+way. Captions and alt text belong to the notebook cell that shows the figure (see
+`caption_metadata`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-COLUMN_INCHES = 7.0  # the text column at 1280 px, at DPI
-DPI = 110
+COLUMN_INCHES = 7.0  # the widest figure: it fits the text column at 1280 px, at PAGE_DPI
+DPI = 110  # matplotlib's figure.dpi (and savefig.dpi outside a notebook)
+PAGE_DPI = 92  # CSS px per inch of a figure on the page
+RETINA = 2  # PNG pixels per CSS pixel: sharp on a phone's or a laptop's high-density screen
+MIN_TEXT_PT = 13  # the style's smallest text (ticks, legends): 9 px or more on a 390 px phone
 
 # Six colours, distinct for the common colour-vision deficiencies (after Okabe and Ito), darkened
 # or lightened to middle lightness so that they read on white and, inverted, on near-black.
@@ -32,12 +43,14 @@ _STYLE: dict[str, Any] = {
     "axes.facecolor": "none",
     "figure.figsize": (COLUMN_INCHES, 3.2),
     "figure.constrained_layout.use": True,
-    "font.size": 10.5,
-    "axes.titlesize": 11.5,
-    "axes.labelsize": 10.5,
-    "xtick.labelsize": 9.5,
-    "ytick.labelsize": 9.5,
-    "legend.fontsize": 9.5,
+    "font.size": 13.5,
+    "axes.titlesize": 14,
+    "axes.titlepad": 8,
+    "axes.labelsize": 13.5,
+    "xtick.labelsize": MIN_TEXT_PT,
+    "ytick.labelsize": MIN_TEXT_PT,
+    "legend.fontsize": MIN_TEXT_PT,
+    "figure.titlesize": 14,
     "legend.frameon": False,
     "text.color": INK,
     "axes.labelcolor": INK,
@@ -58,12 +71,81 @@ _STYLE: dict[str, Any] = {
 
 
 def use_book_style() -> None:
-    """Set matplotlib's defaults to the book's style for the rest of the session (the notebook)."""
+    """Set matplotlib's defaults to the book's style for the rest of the session (the notebook),
+    and, in IPython, show figures as `page_png` draws them."""
     import matplotlib as mpl
     from cycler import cycler
 
     mpl.rcParams.update(_STYLE)
     mpl.rcParams["axes.prop_cycle"] = cycler(color=list(COLOURS))
+    _show_as_page_png()
+
+
+def _show_as_page_png() -> None:
+    """In IPython, display every figure as `page_png` draws it. Called again once a figure exists:
+    the inline backend, loaded with the first figure, registers its own PNG formatter then."""
+    import sys
+
+    if "IPython" not in sys.modules:  # plain Python: nothing displays figures
+        return
+    from IPython import get_ipython
+    from matplotlib.figure import Figure
+
+    shell = get_ipython()
+    if shell is not None:
+        shell.display_formatter.formatters["image/png"].for_type(Figure, page_png)
+
+
+def drawn_texts(fig) -> list:
+    """The texts a draw of `fig` shows: visible, not empty, not on a switched-off axis."""
+    from matplotlib.axes import Axes
+    from matplotlib.axis import Axis
+    from matplotlib.spines import Spine
+    from matplotlib.text import Text
+
+    found, todo = [], [fig]
+    while todo:
+        artist = todo.pop()
+        if not artist.get_visible():
+            continue
+        if isinstance(artist, Text):
+            if artist.get_text().strip():
+                found.append(artist)
+            continue
+        children = artist.get_children()
+        if isinstance(artist, Axes) and not artist.axison:
+            children = [c for c in children if not isinstance(c, (Axis, Spine))]
+        todo.extend(children)
+    return found
+
+
+PNG_TEXT_KEY = "kvcv-smallest-text-px"  # the PNG's own record of its smallest text, read by the browser test
+PNG_SCALE_KEY = "kvcv-pixels-per-css-px"
+
+
+def page_png(fig) -> tuple[str, dict[str, int]]:
+    """`fig` as the book shows it: a PNG (base64) drawn at RETINA x PAGE_DPI, and its display width
+    in CSS px (at PAGE_DPI) for the notebook's output metadata.
+
+    The PNG records its smallest drawn text, in CSS px at the natural size (PNG_TEXT_KEY), so that a
+    reader of the file (tests/test_browser.py) can tell how large that text is on a page.
+    """
+    import base64
+    import io
+    import struct
+
+    fig.canvas.draw()  # lays the figure out, so every text it shows is placed and sized
+    sizes = [t.get_fontsize() for t in drawn_texts(fig)]
+    metadata = {PNG_SCALE_KEY: str(RETINA)}
+    if sizes:
+        metadata[PNG_TEXT_KEY] = f"{min(sizes) * PAGE_DPI / 72:.2f}"
+    buf = io.BytesIO()
+    fig.canvas.print_figure(
+        buf, format="png", dpi=PAGE_DPI * RETINA, bbox_inches="tight", pad_inches=0.04, metadata=metadata
+    )
+    data = buf.getvalue()
+    width = struct.unpack(">I", data[16:20])[0]  # the IHDR chunk's width
+    return base64.b64encode(data).decode("ascii"), {"width": round(width / RETINA)}
 
 
 def figure(nrows: int = 1, ncols: int = 1, height: float = 3.2, width: float = COLUMN_INCHES, **subplots: Any):
@@ -82,7 +164,9 @@ def figure(nrows: int = 1, ncols: int = 1, height: float = 3.2, width: float = C
     if not 0 < height <= 2 * COLUMN_INCHES:
         raise ValueError(f"height: expected inches in (0, {2 * COLUMN_INCHES}], got {height!r}")
     use_book_style()
-    return plt.subplots(nrows, ncols, figsize=(width, height), **subplots)
+    made = plt.subplots(nrows, ncols, figsize=(width, height), **subplots)
+    _show_as_page_png()
+    return made
 
 
 def check_series(ax, most: int = len(COLOURS)) -> int:

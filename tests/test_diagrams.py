@@ -61,7 +61,7 @@ def test_draw_paged_shows_every_table_entry_block_and_character(forked):
     texts = texts_of(ax)
     arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
     assert len(arrows) == 4  # one per block-table entry
-    assert "#0  ref 2" in texts and "#2  ref 1" in texts and "#3 free" in texts  # up to one past the last used
+    assert "#0 ref 2" in texts and "#2 ref 1" in texts and "#3 free" in texts  # up to one past the last used
     assert texts.count("→ #0") == 2 and "→ #2" in texts and "→ #1" in texts
     assert texts.count("!") == 2 and texts.count("l") == 2 and texts.count("␣") == 3  # b's block; a's; block 0 thrice
     plt.close(fig)
@@ -165,3 +165,26 @@ def test_draw_buffers_shows_every_position_and_what_each_pass_did():
     plt.close(fig)
     with pytest.raises(CacheError, match="histories: expected a dict"):
         buffers_figure({})
+
+
+def test_diagrams_small_print_is_legible_at_natural_size(forked):
+    """A diagram keeps its natural size on a phone, so its smallest print is LABEL_FONT (about 12 px on the
+    page at labcode.plotting.PAGE_DPI), block ids and reference counts included."""
+    from labcode.diagrams import LABEL_FONT, cells_legend
+    from labcode.plotting import PAGE_DPI, drawn_texts
+
+    a, b = forked
+    cells = CellsCache(1, 8, n_seqs=2)
+    cells.plan([0, 0, 1])
+    feed(cells, 3)
+    histories = {"ConcatCache": buffer_history(ConcatCache(1), [3, 1])}
+    fig, (paged, cell) = plt.subplots(2, 1)
+    draw_paged(paged, paged_view({"a": a, "b": b}, {"a": "The owl", "b": "The ow!"}), title="t")
+    draw_cells(cell, cells_view(cells), title="t")
+    cells_legend(cell, "AB")
+    for drawn in (fig, buffers_figure(histories)):
+        drawn.canvas.draw()
+        sizes = [t.get_fontsize() for t in drawn_texts(drawn)]
+        assert sizes and min(sizes) >= LABEL_FONT, sorted(sizes)[:3]
+        plt.close(drawn)
+    assert LABEL_FONT * PAGE_DPI / 72 >= 12

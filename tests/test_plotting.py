@@ -58,6 +58,73 @@ def test_figure_fills_the_column_on_a_transparent_background():
     assert min(sizes) * plotting.DPI / 72 >= 14, sizes
 
 
+def _png_of(fig) -> tuple[object, dict, dict]:
+    """page_png's image (PIL), its text records and its output metadata."""
+    import base64
+
+    from PIL import Image
+
+    data, metadata = plotting.page_png(fig)
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    return image, image.text, metadata
+
+
+def test_page_png_is_drawn_twice_as_fine_and_records_its_smallest_text():
+    fig, ax = plotting.figure(height=3)
+    ax.plot([0, 1], [1, 2], label="a")
+    ax.legend()
+    ax.set(xlabel="step", title="a title")
+    image, text, metadata = _png_of(fig)
+    # Shown at PAGE_DPI: the output's width is the PNG's over RETINA, about the column's inches.
+    assert metadata == {"width": round(image.size[0] / plotting.RETINA)}
+    assert abs(metadata["width"] - plotting.COLUMN_INCHES * plotting.PAGE_DPI) < 0.05 * metadata["width"]
+    assert float(text[plotting.PNG_SCALE_KEY]) == plotting.RETINA
+    assert float(text[plotting.PNG_TEXT_KEY]) == round(plotting.MIN_TEXT_PT * plotting.PAGE_DPI / 72, 2)
+    ax.annotate("small print", (0.5, 1.5), fontsize=7)
+    _, text, _ = _png_of(fig)
+    assert float(text[plotting.PNG_TEXT_KEY]) == round(7 * plotting.PAGE_DPI / 72, 2)
+
+
+def test_the_style_is_sized_for_a_phone():
+    """The style's smallest text, on a full-width figure shrunk to a 390 px phone's 358 px column,
+    is at least 9 px (the threshold tests/test_browser.py measures every figure against)."""
+    plotting.use_book_style()
+    sizes = [matplotlib.rcParams[k] for k in ("font.size", "axes.titlesize", "axes.labelsize", "xtick.labelsize",
+                                             "ytick.labelsize", "legend.fontsize")]
+    assert min(sizes) == plotting.MIN_TEXT_PT
+    on_phone = plotting.MIN_TEXT_PT * plotting.PAGE_DPI / 72 * 358 / (plotting.COLUMN_INCHES * plotting.PAGE_DPI)
+    assert on_phone >= 9, on_phone
+
+
+def test_drawn_texts_skip_what_a_draw_does_not_show():
+    fig, (ax, hidden) = plotting.figure(1, 2, height=2)
+    ax.text(0.5, 0.5, "shown", fontsize=15)
+    ax.text(0.5, 0.2, "   ")
+    ax.text(0.5, 0.7, "invisible").set_visible(False)
+    hidden.set_axis_off()  # its tick labels are not drawn
+    hidden.text(0.5, 0.5, "diagram", fontsize=11)
+    fig.canvas.draw()
+    texts = {t.get_text() for t in plotting.drawn_texts(fig)}
+    assert {"shown", "diagram"} <= texts
+    assert not texts & {"   ", "invisible"}
+    assert not [t for t in plotting.drawn_texts(fig) if t.axes is hidden and t.get_text() != "diagram"]
+
+
+def test_a_notebook_shows_figures_as_page_png_draws_them():
+    """In IPython, figure() makes the PNG formatter of every matplotlib figure page_png."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        fig, ax = plotting.figure(height=2)
+        ax.plot([0, 1])
+        data, metadata = shell.display_formatter.format(fig)
+        assert metadata["image/png"]["width"] * plotting.RETINA >= 1000
+        assert data["image/png"] == plotting.page_png(fig)[0]
+    finally:
+        InteractiveShell.clear_instance()
+
+
 def test_six_distinct_colours_of_middle_lightness():
     colours = [to_rgb(c) for c in plotting.COLOURS]
     assert len(set(plotting.COLOURS)) == len(colours) <= 6
