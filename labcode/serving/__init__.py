@@ -1,0 +1,26 @@
+"""Serving many requests: a continuous-batching scheduler over the paged pool, and prefix caches.
+
+Introduced in the chapter on serving (to come). Importing it does nothing.
+"""
+
+from labcode.serving.paged_batch import PagedBatch, run_paged_batch
+from labcode.serving.prefix import HashPrefixCache, RadixPrefixCache, salted_hashes
+from labcode.serving.scheduler import Scheduler, Seq, check_invariants, serve
+from labcode.serving.trace import Request, few_shot_trace, multi_turn_trace, random_trace, system_prompt_trace
+
+__all__ = [
+    "HashPrefixCache",
+    "PagedBatch",
+    "RadixPrefixCache",
+    "Request",
+    "Scheduler",
+    "Seq",
+    "check_invariants",
+    "few_shot_trace",
+    "multi_turn_trace",
+    "random_trace",
+    "run_paged_batch",
+    "salted_hashes",
+    "serve",
+    "system_prompt_trace",
+]
