@@ -222,6 +222,39 @@ class KVCache:
         """Bytes of K/V storage held."""
         raise NotImplementedError
 
+    # -- going back (the chapter on rollback, to come) ---------------------------------
+    keeps: int | None = None  # positions held before the cache starts dropping (None: it never drops)
+
+    def rollback_limit(self) -> int:
+        """The largest n `rollback(n)` accepts now: every committed position, unless the cache dropped
+        some (a window): then the positions before the kept ones are gone, and none can be rolled back."""
+        if self.keeps is not None and self.position > self.keeps:
+            return 0
+        return self.position
+
+    def rollback(self, n: int) -> None:
+        """Remove the last n committed positions, as if they had never been written (a rejected draft).
+
+        Checked first, between passes: n an int in [0, rollback_limit()]; a refusal changes nothing.
+        Introduced in the chapter on rollback (to come).
+        """
+        self._check_rollback(n, "n")
+        if n:
+            self._rollback(n)
+            self.position -= n
+
+    def _check_rollback(self, n: int, argument: str) -> None:
+        self._between_passes("roll back between passes")
+        limit = self.rollback_limit()
+        if not (is_int(n) and 0 <= n <= limit):
+            why = "" if self.keeps is None or limit == self.position else (
+                f" (it keeps {self.keeps} positions and dropped older ones, which a rollback would need back)")
+            fail(argument, f"an int in [0, {limit}]{why}", repr(n), CacheError)
+
+    def _rollback(self, n: int) -> None:
+        """Forget the storage of the last n positions (0 < n <= rollback_limit()); `rollback` moves position."""
+        fail("rollback", "a cache kind that can roll back", type(self).__name__, CacheError)
+
     # -- built on the contract ---------------------------------------------------------
     def check(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str) -> None:
         """Raise CacheError if `begin` would refuse this pass; change nothing."""

@@ -30,6 +30,12 @@ class ConcatCache(PerLayerCache):
         self.rows_copied += 2 * k.shape[2]
         return k, v
 
+    def _rollback(self, n: int) -> None:
+        """Narrow every layer to its first S - n rows (views: `cat` never writes into them, so forks stay safe)."""
+        keep = self.length() - n
+        self.k = [k[:, :, :keep] for k in self.k]
+        self.v = [v[:, :, :keep] for v in self.v]
+
     def fork(self) -> ConcatCache:
         """A copy that shares the tensors safely: `cat` never writes into them."""
         self._between_passes("forks are made between passes")

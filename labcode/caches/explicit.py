@@ -55,6 +55,11 @@ class PairsCache(KVCache):
         self.pairs[layer] = (k, v)
         return k, v
 
+    def _rollback(self, n: int) -> None:
+        """A new list of narrower pairs; the tensors handed in or out are never written."""
+        keep = self.length() - n
+        self.pairs = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self.pairs]
+
     def length(self, layer: int = 0) -> int:
         pair = self.pairs[layer]
         return 0 if pair is None else pair[0].shape[2]

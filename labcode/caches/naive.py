@@ -95,6 +95,18 @@ class ModuleStateCache(KVCache):
     def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.attns[layer].cache_k, self.attns[layer].cache_v
 
+    def rollback(self, n: int) -> None:
+        """Remove the last n positions from every module's buffers; the pointers and `current_pos` move back
+        together. Introduced in the chapter on rollback (to come)."""
+        self._check_rollback(n, "n")
+        self._check(None)  # a model whose counters drifted apart has no "last n" to remove
+        if n:
+            keep = self.position - n
+            for attn in self.attns:
+                attn.cache_k, attn.cache_v = attn.cache_k[:, :, :keep], attn.cache_v[:, :, :keep]
+                attn.ptr_current_pos -= n
+            self.model.current_pos -= n
+
     def fork(self) -> KVCache:
         fail("fork", "a cache object (this state lives in the one model: a second copy cannot exist)",
              "the naive cache", CacheError)

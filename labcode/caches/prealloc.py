@@ -40,6 +40,10 @@ class PreallocatedCache(PerLayerCache):
         super()._commit(chunk)
         self.ptr = chunk.past + chunk.t_new
 
+    def _rollback(self, n: int) -> None:
+        """Move the write pointer back: the n rows stay in the buffers, past `ptr`, until overwritten."""
+        self.ptr -= n
+
     def length(self, layer: int = 0) -> int:
         return self.ptr
 

@@ -43,6 +43,12 @@ class RingCache(WindowCache):
         super()._commit(chunk)
         self.slot_pos = chunk.plan
 
+    def _rollback(self, n: int) -> None:
+        """Mark the slots of the last n positions empty in the slot table; their keys stay in the buffers
+        (stale) until a later position is written there, and the mask, built from the table, never reads them."""
+        super()._rollback(n)
+        self.slot_pos = torch.where(self.slot_pos >= self.position - n, -1, self.slot_pos)
+
     def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (None, None) if self.k[layer] is None else self.ordered(layer)
 

@@ -42,6 +42,11 @@ class SlidingWindowCache(PreallocatedCache):
         """W, the keys each query sees, itself included."""
         return self.attention_window
 
+    @property
+    def keeps(self) -> int:
+        """Positions held between passes before the first trim: W - 1."""
+        return self.attention_window - 1
+
     def _open(self, chunk: Chunk) -> None:
         """Once per pass: the chunk goes after the (at most W - 1) kept rows, under the band."""
         t, w = chunk.t_new, self.attention_window

@@ -43,6 +43,11 @@ class WindowCache(PreallocatedCache):
         """The band its masks apply: W (a sliding-window model of this W may use it)."""
         return self.capacity
 
+    @property
+    def keeps(self) -> int:
+        """Positions held before the first drop: W (after a drop, no rollback can bring them back)."""
+        return self.capacity
+
     def will_drop(self, t_new: int) -> int:
         """How many cached positions a chunk of `t_new` tokens would drop."""
         return max(0, self.ptr + t_new - self.capacity)

@@ -111,6 +111,21 @@ class ScatteredCache(PerLayerCache):
         self.lengths[row] -= n_drop
         self.position = max(self.lengths)
 
+    def rollback_limit(self) -> int:
+        """The most positions `rollback` can remove from every row: the shortest row's length."""
+        return min(self.lengths)
+
+    def rollback(self, n: int) -> None:
+        """Remove the last n tokens of every row (`crop` does it for one row). Introduced in the chapter on
+        rollback (to come)."""
+        self._between_passes("roll back between passes")
+        if self.planned is not None:
+            fail("plan", "no pending plan (it was made for the lengths before the rollback)", self.planned,
+                 CacheError)
+        self._check_rollback(n, "n")
+        for row in range(self.rows):
+            self.crop(row, n)
+
     def length(self, layer: int = 0) -> int:
         return max(self.lengths)
 

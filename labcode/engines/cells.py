@@ -191,6 +191,27 @@ class CellsCache(PerLayerCache):
             fail("dst", "a sequence that holds no cells", dst, CacheError)
         self.owners[self.owners[:, src] & (self.pos >= p0) & (self.pos < p1), dst] = True
 
+    def rollback_limit(self, seq: int | None = None) -> int:
+        """The most positions `rollback` can remove from sequence `seq` (default: `default_seq`; without one,
+        the positions of the whole cache)."""
+        seq = self.default_seq if seq is None else seq
+        return self.position if seq is None else self.seq_pos_max(seq) + 1
+
+    def rollback(self, n: int, seq: int | None = None) -> None:
+        """Remove sequence `seq`'s last n positions (default: `default_seq`), as `seq_rm` does: cells another
+        sequence still owns stay. Introduced in the chapter on rollback (to come)."""
+        self._between_passes("roll back between passes")
+        seq = self.default_seq if seq is None else seq
+        if not (is_int(seq) and 0 <= seq < self.n_seqs):
+            fail("seq", f"an int in [0, {self.n_seqs}) (the cache has no default_seq)", seq, CacheError)
+        if self.planned is not None:
+            fail("plan", "no pending plan (it was made for the positions before the rollback)", "a plan", CacheError)
+        end = self.seq_pos_max(seq) + 1
+        if not (is_int(n) and 0 <= n <= end):
+            fail("n", f"an int in [0, {end}]", repr(n), CacheError)
+        if n:
+            self.seq_rm(seq, end - n, end)
+
     def length(self, layer: int = 0) -> int:
         return int((self.pos >= 0).sum())
 

@@ -112,6 +112,11 @@ class BlockPool:
         if block not in self.hash_of and block_hash not in self.cached:
             self.hash_of[block], self.cached[block_hash] = block_hash, block
 
+    def forget(self, block: int) -> None:
+        """Drop a block's prefix-cache hash: its tokens are about to change in place (a rollback cut into it)."""
+        if block in self.hash_of:
+            del self.cached[self.hash_of.pop(block)]
+
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool (allocated up front, used or not)."""
@@ -220,15 +225,22 @@ class PagedCache(KVCache):
         other.position, other.layout = self.position, self.layout
         return other
 
-    def crop(self, n_drop: int) -> None:
-        """Forget the last `n_drop` positions (a rejected speculative draft); unneeded blocks are released."""
-        if not (is_int(n_drop) and 0 <= n_drop <= self.position):
-            fail("n_drop", f"an int in [0, {self.position}]", n_drop, CacheError)
-        self.position -= n_drop
-        keep = -(-self.position // self.pool.block_size)
+    def _rollback(self, n: int) -> None:
+        """Release the blocks no kept position needs (a shared one just loses this sequence's reference). A kept
+        block cut in the middle is written again next: if nobody else holds it, it forgets its prefix-cache hash;
+        if someone does, the next write copies it first, as any write into a shared block does."""
+        bs, kept = self.pool.block_size, self.position - n
+        keep = -(-kept // bs)
         for block in reversed(self.table[keep:]):
             self.pool.decref(block)
         self.table = self.table[:keep]
+        if kept % bs and self.pool.refcount[self.table[-1]] == 1:
+            self.pool.forget(self.table[-1])
+
+    def crop(self, n_drop: int) -> None:
+        """Forget the last `n_drop` positions (a rejected speculative draft): `rollback` under chapter 9's name."""
+        self._check_rollback(n_drop, "n_drop")
+        self.rollback(n_drop)
 
     def free(self) -> None:
         """Return every block to the pool, the last one first (so a cached prefix is evicted from its end);

@@ -101,6 +101,11 @@ class QuantizedCache(KVCache):
         kc, ks, vc, vs = self.codes[layer]
         return self._decode(kc, ks, dtype), self._decode(vc, vs, dtype)
 
+    def _rollback(self, n: int) -> None:
+        """Narrow every layer's codes and scales to the first S - n tokens (each token is quantised alone)."""
+        keep = self.length() - n
+        self.codes = [[t[:, :, :keep] for t in c] for c in self.codes]
+
     def length(self, layer: int = 0) -> int:
         return 0 if self.codes[layer] is None else self.codes[layer][0].shape[2]
 
