@@ -53,10 +53,13 @@ class HashPrefixCache:
             self.pool.touch(block)
         return hits, None
 
-    def store(self, tokens: list[int], blocks: list[int], n_cached: int, salt: str | None, handle: None) -> None:
-        """Register the full blocks among the first `n_cached` computed tokens (the first block per hash wins)."""
+    def store(self, tokens: list[int], blocks: list[int], n_cached: int, salt: str | None,
+              handle: None) -> tuple[list[int], None]:
+        """Register the full blocks among the first `n_cached` computed tokens (the first block per hash wins);
+        the block table stays as it is (vLLM's is append-only)."""
         for block, h in zip(blocks, salted_hashes(tokens[:n_cached], self.pool.block_size, salt), strict=False):
             self.pool.register(block, h)
+        return blocks, None
 
     def release(self, tokens: list[int], blocks: list[int], n_cached: int, salt: str | None, handle: None) -> None:
         """Drop the request's references, its last block first, so a cached prefix is evicted from its end."""
@@ -148,12 +151,11 @@ class RadixPrefixCache:
             self.pool.incref(block)
         return blocks, node
 
-    def store(self, tokens: list[int], blocks: list[int], n_cached: int, salt: str | None, handle: Node) -> None:
-        """Nothing while the request runs: its pages enter the tree when it leaves."""
-
-    def release(self, tokens: list[int], blocks: list[int], n_cached: int, salt: str | None, handle: Node) -> None:
-        """Insert the request's computed whole pages (the tree keeps its own copy of pages it already has),
-        unlock the path it matched, and drop the request's references."""
+    def store(self, tokens: list[int], blocks: list[int], n_cached: int, salt: str | None,
+              handle: Node) -> tuple[list[int], Node]:
+        """Insert the request's computed whole pages (after each chunk, as SGLang caches unfinished requests);
+        where the tree already had a page, the request's table takes the tree's block and gives its own copy
+        back. The request now locks the path to its last page. Returns (its new table, the node it locks)."""
         bs = self.pool.block_size
         full = n_cached // bs * bs
         node, n = self._walk(tokens[:full], salt)
@@ -162,6 +164,22 @@ class RadixPrefixCache:
             node.children[self._key(child.tokens)] = child
             for block in child.blocks:
                 self.pool.incref(block)
+            node = child
+        path = self._path(node)
+        tree_blocks = [b for used in path for b in used.blocks]
+        for mine, theirs in zip(blocks, tree_blocks, strict=False):
+            if mine != theirs:  # the same tokens at the same positions: the same keys and values
+                self.pool.incref(theirs)
+                self.pool.decref(mine)
+        for used in path:
+            used.locks += 1
+        for used in self._path(handle):
+            used.locks -= 1
+        return tree_blocks + blocks[full // bs :], node
+
+    def release(self, tokens: list[int], blocks: list[int], n_cached: int, salt: str | None, handle: Node) -> None:
+        """Store what the request computed, unlock its path and drop the request's references."""
+        blocks, handle = self.store(tokens, blocks, n_cached, salt, handle)
         for used in self._path(handle):
             used.locks -= 1
         for block in reversed(blocks):

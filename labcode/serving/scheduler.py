@@ -210,7 +210,8 @@ class Scheduler:
             seq.n_cached += n
             seq.computed += n
             if self.prefix:
-                self.prefix.store(seq.tokens, seq.blocks, seq.n_cached, seq.req.salt, seq.handle)
+                seq.blocks, seq.handle = self.prefix.store(seq.tokens, seq.blocks, seq.n_cached, seq.req.salt,
+                                                           seq.handle)
             if seq.n_cached < len(seq.tokens):
                 continue  # a prefill chunk before the last: no token yet
             seq.logits.append(rows[-1])
