@@ -137,17 +137,19 @@ def test_the_hash_cache_evicts_least_recently_freed_first_and_tails_first():
     assert cache.match(b + [9], None)[0] == [2]
 
 
-def test_a_salt_keeps_tenants_apart():
+def test_a_salt_keeps_tenants_apart_and_closes_the_timing_side_channel():
     assert salted_hashes([1, 2, 3, 4], 2, "x")[0] != salted_hashes([1, 2, 3, 4], 2, "y")[0]
     prompt = tuple(range(9))
     for prefix in ("hash", "radix"):
         runs = {}
         for salts in (("x", "x"), ("x", "y")):
             trace = [Request("first", 0, prompt, 2, salts[0]), Request("second", 5, prompt, 2, salts[1])]
-            runs[salts] = sched = serve(MODEL, trace, 12, 2, 16, prefix, check=True)
+            runs[salts] = sched = serve(MODEL, trace, 12, 2, 4, prefix, check=True)
             assert_each_alone(MODEL, sched)
-        assert runs[("x", "x")].done["second"].hit_tokens == 8  # the same tenant: the first's full blocks
-        assert runs[("x", "y")].done["second"].hit_tokens == 0  # another tenant: nothing shared
+        same, other = runs[("x", "x")].done["second"], runs[("x", "y")].done["second"]
+        assert same.hit_tokens == 8 and other.hit_tokens == 0  # the same tenant: the first's full blocks; another: none
+        # the side channel: a hit answers in the step it arrives, a miss prefills 9 tokens at 4 a step
+        assert (same.ttft_steps, other.ttft_steps) == (1, 3)
 
 
 def test_the_radix_tree_splits_counts_references_and_evicts_the_oldest_unlocked_leaf():
@@ -169,7 +171,7 @@ def test_the_radix_tree_splits_counts_references_and_evicts_the_oldest_unlocked_
     assert sorted(tree.held().values()) == [1] * 5 and pool.n_free == 3  # one reference each, held by the tree
     hits, node = tree.match([1, 2, 3, 4, 5], None)  # locks [1, 2] and [3, 4]
     assert len(hits) == 4 and [pool.refcount[b] for b in hits] == [2] * 4 and tree.evictable() == 1
-    tree.check([node])
+    tree.check([(node, hits)])
     tree.evict(1)  # only the unlocked leaf [7] can go
     assert edges() == {(1, 2), (3, 4)} and pool.n_free == 4
     tree.release([1, 2, 3, 4, 5], hits, 4, None, node)

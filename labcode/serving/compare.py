@@ -8,6 +8,7 @@ with the same number of token slots, so the table separates the data structure f
 from __future__ import annotations
 
 from labcode.checks import fail, is_int
+from labcode.model import GPT
 from labcode.serving.scheduler import Scheduler, serve
 from labcode.serving.trace import Request
 
@@ -34,7 +35,7 @@ def summary(sched: Scheduler) -> dict:
             "peak_blocks": sched.peak_blocks, "peak_slots": sched.peak_blocks * sched.pool.block_size}
 
 
-def compare_prefix_caches(model, traces: dict[str, list[Request]], n_slots: int, block_size: int,
+def compare_prefix_caches(model: GPT, traces: dict[str, list[Request]], n_slots: int, block_size: int,
                           budget: int) -> list[dict]:
     """Serve every trace with no prefix cache, the hash cache and the radix tree (blocks of `block_size`), and the
     radix tree on one-token blocks, each with `n_slots` token slots; one row of `summary` per run, plus

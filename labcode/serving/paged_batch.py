@@ -16,6 +16,7 @@ from labcode.caches.base import CacheError, Chunk, KVCache
 from labcode.checks import fail, is_int
 from labcode.engines.batch import scattered_mask
 from labcode.engines.paged import BlockPool
+from labcode.model import GPT
 
 
 class PagedBatch(KVCache):
@@ -83,6 +84,7 @@ class PagedBatch(KVCache):
         self.lengths = [n + m for n, m in zip(self.lengths, self.n_new, strict=True)]
 
     def length(self, layer: int = 0) -> int:
+        """The longest row's tokens."""
         return max(self.lengths)
 
     @property
@@ -91,7 +93,7 @@ class PagedBatch(KVCache):
         return len({x for table in self.tables for x in table}) * self.pool.block_nbytes()
 
 
-def run_paged_batch(model, pool: BlockPool, tables: list[list[int]], lengths: list[int],
+def run_paged_batch(model: GPT, pool: BlockPool, tables: list[list[int]], lengths: list[int],
                     chunks: list[list[int]]) -> list[torch.Tensor]:
     """One pass of `model`: row b brings the token ids `chunks[b]` after its `lengths[b]` cached tokens in blocks
     `tables[b]`; returns each row's logits [n_b, V]."""

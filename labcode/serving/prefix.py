@@ -68,15 +68,17 @@ class HashPrefixCache:
             self.pool.decref(block)
 
     def evictable(self) -> int:
+        """Blocks evict() could free beyond the free list: none here."""
         return 0  # cached blocks without a reference already sit in the free list
 
     def evict(self, n: int) -> None:
         """Nothing to do: `BlockPool.take` evicts a cached free block when it hands it out."""
 
     def held(self) -> Counter:
+        """References the cache itself holds, per block: none (the pool's hash table holds no reference)."""
         return Counter()
 
-    def check(self, handles: list[object]) -> None:
+    def check(self, running: list[tuple[None, list[int]]]) -> None:
         """The hash table is a bijection between cached hashes and blocks."""
         pool = self.pool
         if not (len(pool.cached) == len(pool.hash_of) and all(pool.cached[h] == b for b, h in pool.hash_of.items())):
@@ -213,11 +215,18 @@ class RadixPrefixCache:
                 heapq.heappush(leaves, (parent.stamp, id(parent), parent))
 
     def held(self) -> Counter:
+        """References the tree holds, per block: one for each block of each node."""
         return Counter(b for n in self._nodes() for b in n.blocks)
 
-    def check(self, handles: list[Node]) -> None:
-        """Edges are whole pages, keyed by their first page; locks equal the running requests through each node."""
-        bs, users = self.pool.block_size, Counter(id(n) for h in handles for n in self._path(h))
+    def check(self, running: list[tuple[Node, list[int]]]) -> None:
+        """Edges are whole pages, keyed by their first page; locks equal the running requests through each node;
+        each running request's (handle, table) starts with the blocks of the path it locks."""
+        bs, users = self.pool.block_size, Counter(id(n) for h, _ in running for n in self._path(h))
+        for handle, table in running:
+            path = [b for n in self._path(handle) for b in n.blocks]
+            if table[: len(path)] != path:
+                fail("radix tree", "a running request's table starting with its locked path", (table, path),
+                     AssertionError)
         for node in self._nodes():
             if node.parent is None:
                 continue

@@ -10,6 +10,7 @@ produced. Greedy decoding; one `run_paged_batch` pass per step through the one m
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 
 from labcode.checks import fail, is_int
 from labcode.engines.paged import BlockPool
+from labcode.model import GPT
 from labcode.serving.paged_batch import run_paged_batch
 from labcode.serving.prefix import HashPrefixCache, RadixPrefixCache
 from labcode.serving.trace import Request
@@ -39,19 +41,26 @@ class Seq:
     prompt_tokens: int = 0  # tokens it brought at each admission (again after a preemption)
     hit_tokens: int = 0  # of which the prefix cache already held
     computed: int = 0  # tokens it ran through the model
+    arrived: int | None = None  # the step it joined the queue (a follow-up turn: once its parent finished)
     first_step: int | None = None  # the step that produced its first token
     finish_step: int | None = None
 
     @property
     def out(self) -> list[int]:
+        """The generated tokens so far [n]."""
         return self.tokens[self.prompt_len :]
+
+    @property
+    def ttft_steps(self) -> int | None:
+        """Steps from joining the queue to the first token, counted inclusively (1: the step it arrived)."""
+        return None if self.first_step is None else self.first_step - self.arrived + 1
 
 
 class Scheduler:
     """Requests `pending` (not yet arrived), `waiting`, `running` (admitted, oldest first), `done` and `refused`,
     over a pool of `n_blocks` blocks of `block_size` slots; each step computes at most `budget` tokens."""
 
-    def __init__(self, model, n_blocks: int, block_size: int, budget: int, prefix: str | None = None) -> None:
+    def __init__(self, model: GPT, n_blocks: int, block_size: int, budget: int, prefix: str | None = None) -> None:
         if not (is_int(budget) and budget > 0):
             fail("budget", "a positive number of tokens per step", budget)
         if prefix not in (None, *PREFIX_CACHES):
@@ -69,6 +78,7 @@ class Scheduler:
         self.log: list[dict] = []  # per step: what ran, what was preempted
 
     def blocks_for(self, n_tokens: int) -> int:
+        """Blocks that hold n_tokens slots."""
         return -(-n_tokens // self.pool.block_size)
 
     def submit(self, req: Request) -> bool:
@@ -108,10 +118,12 @@ class Scheduler:
             fail("request.parent", "None or the id of a request submitted earlier", req.parent)
 
     def busy(self) -> bool:
+        """True while a request is pending, waiting or running."""
         return bool(self.pending or self.waiting or self.running)
 
     def step(self) -> dict:
-        """One iteration: arrivals, running requests first (oldest first), then admissions, then one model pass."""
+        """One iteration: arrivals, running requests first (oldest first), then admissions, then one model pass.
+        Returns its record: step, batch [(id, tokens computed)], preempted [ids], seconds (the pass's wall time)."""
         self._arrive()
         budget, batch, preempted = self.budget, [], []
         for seq in list(self.running):
@@ -129,9 +141,9 @@ class Scheduler:
                 break
             batch.append((self.running[-1], n))
             budget -= n
-        if batch:
-            self._run(batch)
-        record = {"step": self.step_no, "batch": [(s.req.rid, n) for s, n in batch], "preempted": preempted}
+        seconds = self._run(batch) if batch else 0.0  # wall time of the pass: recorded, never asserted
+        record = {"step": self.step_no, "batch": [(s.req.rid, n) for s, n in batch], "preempted": preempted,
+                  "seconds": seconds}
         self.log.append(record)
         self.step_no += 1
         return record
@@ -140,7 +152,8 @@ class Scheduler:
         for req in sorted(self.pending, key=lambda r: r.arrival):
             if req.arrival <= self.step_no and (req.parent is None or req.parent in self.done):
                 before = self.done[req.parent].tokens if req.parent else []
-                self.waiting.append(Seq(req, before + list(req.prompt), len(before) + len(req.prompt)))
+                seq = Seq(req, before + list(req.prompt), len(before) + len(req.prompt), arrived=self.step_no)
+                self.waiting.append(seq)
                 self.pending.remove(req)
 
     def _free(self) -> int:
@@ -200,12 +213,15 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
 
-    def _run(self, batch: list[tuple[Seq, int]]) -> None:
-        """One model pass for the batch; a request whose chunk reached its last token gets its next token."""
+    def _run(self, batch: list[tuple[Seq, int]]) -> float:
+        """One model pass for the batch; a request whose chunk reached its last token gets its next token.
+        Returns the pass's wall time in seconds."""
         self.peak_blocks = max(self.peak_blocks, len({b for s, _ in batch for b in s.blocks}))
         chunks = [s.tokens[s.n_cached : s.n_cached + n] for s, n in batch]
+        start = time.perf_counter()
         logits = run_paged_batch(self.model, self.pool, [s.blocks for s, _ in batch], [s.n_cached for s, _ in batch],
                                  chunks)
+        seconds = time.perf_counter() - start
         for (seq, n), rows in zip(batch, logits, strict=True):
             seq.n_cached += n
             seq.computed += n
@@ -222,6 +238,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self.done[seq.req.rid] = seq
                 seq.finish_step = self.step_no
+        return seconds
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -245,10 +262,10 @@ def check_invariants(sched: Scheduler) -> None:
         if seq.blocks or seq.n_cached or seq.handle is not None:
             fail(f"request {seq.req.rid}", "no blocks while waiting or done", seq.blocks, AssertionError)
     if sched.prefix:
-        sched.prefix.check([s.handle for s in sched.running])
+        sched.prefix.check([(s.handle, s.blocks) for s in sched.running])
 
 
-def serve(model, trace: list[Request], n_blocks: int, block_size: int, budget: int, prefix: str | None = None,
+def serve(model: GPT, trace: list[Request], n_blocks: int, block_size: int, budget: int, prefix: str | None = None,
           check: bool = False, max_steps: int = 10_000) -> Scheduler:
     """Submit the whole trace, then step until every accepted request is done (checking invariants after each
     step if `check`); returns the scheduler, whose `done`, `refused`, `log` and counters say what happened."""
