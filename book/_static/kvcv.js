@@ -1,11 +1,19 @@
-/* "KV Cache, Verified": search-result summaries that read as prose.
+/* "KV Cache, Verified": the book's small behaviours in the browser. tests/test_browser.py checks each.
  *
- * Sphinx's search page (searchtools.js) shows under each result a passage of the page's text,
- * taken from the element with role="main". In pydata-sphinx-theme that element also holds the
- * page's toolbar and its "Contents" sidebar, and the page source holds maths as raw LaTeX (\(...\))
- * because MathJax typesets it only in the browser. This replaces Search.htmlToText, on the search
- * page only, with one that reads the article alone and writes maths as plain text.
- * tests/test_browser.py checks the summaries.
+ * 1. Search-result summaries that read as prose. Sphinx's search page (searchtools.js) shows under
+ *    each result a passage of the page's text, taken from the element with role="main". In
+ *    pydata-sphinx-theme that element also holds the page's toolbar and its "Contents" sidebar, the
+ *    page source holds maths as raw LaTeX (\(...\)) because MathJax typesets it only in the
+ *    browser, and a table's cells have no space between them. This replaces Search.htmlToText, on
+ *    the search page only, with one that reads the article alone, writes maths as plain text and
+ *    keeps table cells apart ("a · b").
+ * 2. A solution's title opens the solution: its link to the exercise would jump away instead.
+ * 3. A figure opens at full size when clicked or tapped (Enter or Space from the keyboard), over
+ *    the page, until clicked again or Escape.
+ * 4. The verification report's filter (qa/verdicts): by chapter, verdict and words of the claim;
+ *    the address keeps the chapter (?chapter=4), so the report's summary links to it.
+ * 5. Inline code in a table may break after / _ : (a <wbr>), so a long name or path does not
+ *    widen its column and squeeze the others (chapter 9's comparison of engines).
  */
 (function () {
   "use strict";
@@ -57,6 +65,14 @@
     for (var i = 0; i < drop.length; i++) drop[i].remove();
     var maths = article.querySelectorAll(".math");
     for (var j = 0; j < maths.length; j++) maths[j].textContent = " " + texToText(maths[j].textContent) + " ";
+    // Table cells and rows kept apart: "a · b · c; d · e · f", not "abcdef".
+    var rows = article.querySelectorAll("tr");
+    for (var r = 0; r < rows.length; r++) {
+      var cells = rows[r].querySelectorAll("th, td");
+      for (var c = 0; c < cells.length; c++) {
+        cells[c].appendChild(doc.createTextNode(c < cells.length - 1 ? " \u00B7 " : "; "));
+      }
+    }
     var part = anchor ? doc.getElementById(anchor.replace(/^#/, "")) : null;
     var node = part && article.contains(part) ? part : article;
     return node.textContent.replace(/\s+/g, " ").trim();
@@ -73,7 +89,160 @@
     Search.kvcvArticleText = true;
   }
 
+  /* 2. A click on the link in a solution's title (sphinx-exercise: "Solution to Exercise 3") would
+   * follow it back to the exercise; the title's own handler (sphinx-togglebutton) opens the solution. */
+  function solutionTitles() {
+    var links = document.querySelectorAll("div.solution.dropdown > .admonition-title a");
+    for (var i = 0; i < links.length; i++) {
+      links[i].addEventListener("click", function (event) {
+        event.preventDefault();
+        event.stopPropagation(); // the title's handler finds no button from a link: press it here
+        var button = event.currentTarget.closest(".admonition-title").querySelector(".toggle-button");
+        if (button) button.click();
+      });
+    }
+  }
+
+  /* 3. Figures at full size. The overlay is made on the first click, so a page that is only read
+   * holds no extra image. */
+  function enlargeableFigures() {
+    var images = document.querySelectorAll("article.bd-article figure img");
+    var overlay = null;
+    var big = null;
+    var opener = null;
+    function close() {
+      overlay.hidden = true;
+      document.documentElement.classList.remove("kvcv-enlarged-open");
+      if (opener) opener.focus();
+    }
+    function open(img) {
+      if (!overlay) {
+        overlay = document.createElement("div");
+        overlay.className = "kvcv-enlarged";
+        overlay.setAttribute("role", "dialog");
+        overlay.setAttribute("aria-modal", "true");
+        overlay.setAttribute("aria-label", "Figure at full size; click or press Escape to close");
+        overlay.tabIndex = -1;
+        big = document.createElement("img");
+        overlay.appendChild(big);
+        overlay.addEventListener("click", close);
+        document.addEventListener("keydown", function (event) {
+          if (event.key === "Escape" && !overlay.hidden) close();
+        });
+        document.body.appendChild(overlay);
+      }
+      opener = img;
+      big.src = img.currentSrc || img.src;
+      big.alt = img.alt;
+      overlay.hidden = false;
+      document.documentElement.classList.add("kvcv-enlarged-open");
+      overlay.focus();
+    }
+    for (var i = 0; i < images.length; i++) {
+      var img = images[i];
+      img.classList.add("kvcv-enlargeable");
+      img.tabIndex = 0;
+      img.setAttribute("role", "button");
+      img.setAttribute("aria-label", "Show at full size: " + (img.alt || "figure"));
+      img.addEventListener("click", function (event) { open(event.currentTarget); });
+      img.addEventListener("keydown", function (event) {
+        if (event.key === "Enter" || event.key === " ") {
+          event.preventDefault();
+          open(event.currentTarget);
+        }
+      });
+    }
+  }
+
+  /* 4. The report's filter: rows of table.kvcv-checks carry data-chapter and data-verdict. */
+  function reportFilter() {
+    var mount = document.querySelector("[data-kvcv-report-filter]");
+    var rows = document.querySelectorAll("table.kvcv-checks tbody tr");
+    if (!mount || !rows.length) return;
+    var chapters = [];
+    for (var i = 0; i < rows.length; i++) {
+      var ch = rows[i].dataset.chapter;
+      if (chapters.indexOf(ch) < 0) chapters.push(ch);
+    }
+    chapters.sort(function (a, b) { return a - b; });
+    var options = chapters.map(function (ch) { return '<option value="' + ch + '">Chapter ' + ch + "</option>"; });
+    mount.innerHTML =
+      '<form class="kvcv-filter" role="search" aria-label="Filter the checks">' +
+      '<label>Chapter <select data-kvcv-filter="chapter"><option value="">all</option>' + options.join("") +
+      "</select></label>" +
+      '<label>Verdict <select data-kvcv-filter="verdict"><option value="">all</option>' +
+      '<option value="pass">passed</option><option value="fail">failed</option></select></label>' +
+      '<label class="kvcv-filter-words">Claim contains <input type="search" data-kvcv-filter="words" ' +
+      'placeholder="e.g. window, float32"></label>' +
+      '<output data-kvcv-filter="count" aria-live="polite"></output></form>';
+    var chapter = mount.querySelector('[data-kvcv-filter="chapter"]');
+    var verdict = mount.querySelector('[data-kvcv-filter="verdict"]');
+    var words = mount.querySelector('[data-kvcv-filter="words"]');
+    var count = mount.querySelector('[data-kvcv-filter="count"]');
+    var wanted = new URLSearchParams(window.location.search).get("chapter");
+    if (wanted && chapters.indexOf(wanted) >= 0) chapter.value = wanted;
+
+    function apply() {
+      var terms = words.value.toLowerCase().split(/\s+/).filter(Boolean);
+      var shown = 0;
+      for (var i = 0; i < rows.length; i++) {
+        var row = rows[i];
+        var text = row.cells[0].textContent.toLowerCase();
+        var ok = (!chapter.value || row.dataset.chapter === chapter.value) &&
+          (!verdict.value || row.dataset.verdict === verdict.value) &&
+          terms.every(function (t) { return text.indexOf(t) >= 0; });
+        row.hidden = !ok;
+        if (ok) shown++;
+      }
+      // A result file's section with no row left is hidden with its heading.
+      var tables = document.querySelectorAll("table.kvcv-checks");
+      for (var j = 0; j < tables.length; j++) {
+        var section = tables[j].closest("section");
+        if (section) section.hidden = !tables[j].querySelector("tbody tr:not([hidden])");
+      }
+      count.textContent = shown === rows.length ? "all " + rows.length + " checks" : shown + " of " + rows.length + " checks";
+      var address = new URL(window.location.href);
+      if (chapter.value) address.searchParams.set("chapter", chapter.value);
+      else address.searchParams.delete("chapter");
+      window.history.replaceState(window.history.state, "", address);
+    }
+    mount.querySelector("form").addEventListener("submit", function (event) { event.preventDefault(); });
+    chapter.addEventListener("change", apply);
+    verdict.addEventListener("change", apply);
+    words.addEventListener("input", apply);
+    apply();
+    // The summary's links (?chapter=N#every-claim) reload the page with the chapter chosen.
+  }
+
+  /* 5. Break points in a table's inline code. */
+  function breakableTableCode() {
+    var codes = document.querySelectorAll("article.bd-article table code.literal");
+    for (var i = 0; i < codes.length; i++) {
+      var walker = document.createTreeWalker(codes[i], NodeFilter.SHOW_TEXT);
+      var texts = [];
+      while (walker.nextNode()) texts.push(walker.currentNode);
+      texts.forEach(function (node) {
+        var parts = node.data.split(/(?<=[\/_:])(?=.)/);
+        if (parts.length < 2) return;
+        var frag = document.createDocumentFragment();
+        parts.forEach(function (part, k) {
+          if (k) frag.appendChild(document.createElement("wbr"));
+          frag.appendChild(document.createTextNode(part));
+        });
+        node.parentNode.replaceChild(frag, node);
+      });
+    }
+  }
+
+  function ready() {
+    install();
+    breakableTableCode();
+    solutionTitles();
+    enlargeableFigures();
+    reportFilter();
+  }
+
   window.KVCVSearch = { texToText: texToText, articleText: articleText };
-  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", install);
-  else install();
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", ready);
+  else ready();
 })();
