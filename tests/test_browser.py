@@ -1,22 +1,28 @@
 """The built book in a real browser (Debian's Chromium driven by Playwright): every page loads with no
 console error and no failed or off-site request, maths is typeset, images load, search works, hidden
-solutions open, and the KV-cache explorer shows the same numbers as labcode."""
+solutions open, no page pans sideways on a phone, every figure's text is legible at 390 px, the
+verification report shows what each check measured, and the KV-cache explorer shows the same numbers
+as labcode."""
 
 from __future__ import annotations
 
+import json
 import re
 from itertools import product
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import pytest
 import torch
+import yaml
 from playwright.sync_api import Page
 
-from conftest import toc_files
+from conftest import ROOT, toc_files
 from labcode.config import get_config
 from labcode.cost import kv_cache_bytes, kv_cache_elements, positions_computed, quantized_kv_cache_bytes
 from labcode.engines.quant import QuantizedCache
 from labcode.generate import new_token_budget
+from labcode.plotting import PNG_SCALE_KEY, PNG_TEXT_KEY
 
 PAGES = toc_files()
 CHAPTERS = [f for f in PAGES if f.startswith("notebooks/")]
@@ -154,7 +160,7 @@ def solutions_hidden_until_clicked(page: Page, doc: str) -> tuple[int, list[str]
             problems.append(f"{doc}: solution {i} is open")
         if body.is_visible():
             problems.append(f"{doc}: solution {i} is visible before a click")
-        button.click()  # the chevron; the title's own text links back to the exercise
+        button.click()  # the chevron (test_the_solution_title_opens_the_solution clicks the title's link)
         if button.get_attribute("aria-expanded") != "true":
             problems.append(f"{doc}: solution {i} did not open on a click")
         body.wait_for(state="visible", timeout=5000)
@@ -286,6 +292,7 @@ DIAGRAMS_JS = r"""
   const cs = getComputedStyle(figure);
   return {
     src: img.getAttribute("src") || "",
+    url: img.currentSrc || img.src,
     shown: img.getBoundingClientRect().width,
     natural: img.naturalWidth,
     scrolls: figure.scrollWidth > figure.clientWidth + 1,
@@ -293,6 +300,50 @@ DIAGRAMS_JS = r"""
       && (cs.overflowX === "auto" || cs.overflowX === "scroll"),
   };
 })
+"""
+
+# Every figure image: the width it is shown at, its PNG's width in pixels, and its file.
+FIGURES_JS = r"""
+() => [...document.querySelectorAll("article.bd-article figure img")].map((img) => {
+  const number = img.closest("figure").querySelector(".caption-number");
+  return {
+    url: img.currentSrc || img.src,
+    shown: img.getBoundingClientRect().width,
+    natural: img.naturalWidth,
+    number: number ? number.textContent.trim() : img.getAttribute("src"),
+  };
+})
+"""
+
+# Launch buttons (Binder, Colab, JupyterHub, live code): none, since none of them would run.
+LAUNCH_JS = r"""
+() => [...document.querySelectorAll(
+  '.dropdown-launch-buttons, a[href*="mybinder.org"], a[href*="colab.research.google.com"], ' +
+  '.btn-launch, [data-bs-original-title*="Launch"], [title*="Launch"], .thebe-launch-button'
+)].map((e) => e.outerHTML.slice(0, 120))
+"""
+
+# The page's own width against the screen's, and the elements that stick out past the screen's
+# right edge without a box of theirs that scrolls or clips them.
+PAGE_WIDTH_JS = r"""
+() => {
+  const width = window.innerWidth;
+  // Inside a box that scrolls or clips within the screen, or in a drawer (fixed), it cannot pan the page.
+  const boxed = (e) => {
+    for (let n = e; n && n !== document.body; n = n.parentElement) {
+      const cs = getComputedStyle(n);
+      if (cs.position === "fixed" || cs.visibility === "hidden") return true;
+      if (n !== e && cs.overflowX !== "visible") return n.getBoundingClientRect().right <= width + 1;
+    }
+    return false;
+  };
+  const out = [...document.querySelectorAll("body *")].filter((e) => {
+    const r = e.getBoundingClientRect();
+    return r.width && r.right > width + 1 && !boxed(e);
+  }).slice(0, 6).map((e) => `${e.tagName.toLowerCase()}.${[...e.classList].join(".")} ` +
+                             JSON.stringify(e.textContent.replace(/\s+/g, " ").trim().slice(0, 50)));
+  return { scroll: document.documentElement.scrollWidth, width, out };
+}
 """
 
 FIX_HINTS = {
@@ -315,9 +366,13 @@ def measure(page: Page, doc: str) -> None:
     found = {"solutions": solutions_hidden_until_clicked(page, doc),
              "images": page.evaluate(IMAGES_JS), DESKTOP: page.evaluate(OVERFLOW_JS, True),
              "loaded_images": page.evaluate("() => [...document.images].filter(i => i.naturalWidth > 0).length")}
+    found["figures", DESKTOP] = page.evaluate(FIGURES_JS)
+    found["launch"] = page.evaluate(LAUNCH_JS)
     page.set_viewport_size({"width": PHONE, "height": 844})
     found[PHONE] = page.evaluate(OVERFLOW_JS, False)
     found["phone_diagrams"] = page.evaluate(DIAGRAMS_JS)
+    found["figures", PHONE] = page.evaluate(FIGURES_JS)
+    found["page_width"] = page.evaluate(PAGE_WIDTH_JS)
     page.set_viewport_size({"width": DESKTOP, "height": 900})
     _MEASURED[doc] = found
 
@@ -413,14 +468,16 @@ def test_every_image_has_alt_text_and_a_numbered_caption(measured_pages):
     )
 
 
-def test_diagrams_keep_their_size_on_a_phone_and_scroll_visibly(measured_pages):
+def test_diagrams_keep_their_size_on_a_phone_and_scroll_visibly(measured_pages, book_html):
     """A diagram's small print (slots, positions, block numbers) stays at the size it was drawn at on a
-    phone: its figure scrolls sideways instead, with the scroll shadows (book/_static/kvcv.css)."""
+    phone: its figure scrolls sideways instead, with the scroll shadows (book/_static/kvcv.css). Its
+    natural size is its PNG's width over the pixels per CSS px the PNG records (labcode.plotting)."""
     diagrams = [(doc, d) for doc in CHAPTERS for d in measured_pages[doc]["phone_diagrams"]]
     if CHAPTERS:
         assert diagrams, "no chapter shows a diagram (an image with the class kvcv-diagram)"
-    shrunk = [f"{doc}: {d['src'][-20:]} shown {d['shown']:.0f} px of {d['natural']}" for doc, d in diagrams
-              if abs(d["shown"] - d["natural"]) > 1]
+    natural = {d["url"]: d["natural"] / _png_record(book_html, d["url"]).get(PNG_SCALE_KEY, 1.0) for _, d in diagrams}
+    shrunk = [f"{doc}: {d['src'][-20:]} shown {d['shown']:.0f} px of {natural[d['url']]:.0f}" for doc, d in diagrams
+              if abs(d["shown"] - natural[d["url"]]) > 1]
     unmarked = [f"{doc}: {d['src'][-20:]}" for doc, d in diagrams if d["scrolls"] and not d["afforded"]]
     assert not shrunk, f"diagrams shrunk on a phone: {shrunk}"
     assert not unmarked, f"diagrams that scroll on a phone with nothing to show that they do: {unmarked}"
@@ -461,6 +518,286 @@ def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):
     assert wrap[0] > wrap[1] and wrap[2] <= wrap[3], f"the table does not scroll inside its wrapper: {wrap}"
     problems = [f for f in page.evaluate(OVERFLOW_JS, False) if "column 0" in f["where"]]
     assert not problems, problems
+
+
+def test_no_page_pans_sideways_on_a_phone(measured_pages):
+    """At 390 px no page is wider than the screen: long inline code wraps (book/_static/kvcv.css),
+    and whatever is wider than the column scrolls inside its own box."""
+    wide = [f"{doc}: {m['page_width']['scroll']} px wide on a {m['page_width']['width']} px screen; "
+            f"sticking out: {m['page_width']['out']}"
+            for doc, m in measured_pages.items() if m["page_width"]["scroll"] > m["page_width"]["width"]]
+    assert not wide, "pages that pan sideways at 390 px:\n" + "\n".join(wide)
+
+
+def test_no_page_offers_a_launch_button(measured_pages):
+    """The launch buttons are gone (_config.yml): a chapter opened on Colab or Binder fails on its first
+    import, since labcode is not installed there."""
+    shown = {doc: m["launch"] for doc, m in measured_pages.items() if m["launch"]}
+    assert not shown, f"pages with launch buttons: {shown}"
+
+
+# The smallest text of any figure, in CSS px as the page shows it: at 390 px about 56% of the body
+# text's 16 px, and at 1280 px about 70% of it (before this rule, tick labels were 6-7 px on a phone).
+PHONE_TEXT_PX, DESKTOP_TEXT_PX = 9.0, 11.0
+_PNG_RECORDS: dict[str, dict] = {}
+
+
+def _png_record(book_html: Path, url: str) -> dict:
+    """What a figure's PNG records of itself (labcode.plotting.page_png): its smallest text, in CSS px
+    at its natural size, and its pixels per CSS px. Empty for a PNG that records nothing."""
+    if url not in _PNG_RECORDS:
+        from PIL import Image
+
+        path = book_html / unquote(urlsplit(url).path).lstrip("/")
+        with Image.open(path) as image:
+            text = getattr(image, "text", {}) or {}
+        _PNG_RECORDS[url] = {k: float(text[k]) for k in (PNG_TEXT_KEY, PNG_SCALE_KEY) if k in text}
+    return _PNG_RECORDS[url]
+
+
+def rendered_text_px(book_html: Path, figure: dict) -> float | None:
+    """The figure's smallest text as shown: its recorded size times the image's scale on the page
+    (shown width over natural width in CSS px); None for a PNG that records no text size."""
+    record = _png_record(book_html, figure["url"])
+    if PNG_TEXT_KEY not in record or not figure["natural"]:
+        return None
+    natural_css = figure["natural"] / record.get(PNG_SCALE_KEY, 1.0)
+    return record[PNG_TEXT_KEY] * figure["shown"] / natural_css
+
+
+@pytest.mark.parametrize("width", [PHONE, DESKTOP])
+def test_every_figure_is_legible(measured_pages, book_html, width):
+    """Every figure's smallest text (ticks, legends, labels) is at least PHONE_TEXT_PX on a 390 px
+    phone and DESKTOP_TEXT_PX at 1280 px, as rendered: the size its PNG records (labcode.plotting
+    draws every figure of a notebook at twice the page's resolution and records its smallest text)
+    times the scale the page shows it at."""
+    least = PHONE_TEXT_PX if width == PHONE else DESKTOP_TEXT_PX
+    figures = [(doc, f) for doc, m in measured_pages.items() for f in m["figures", width]]
+    if CHAPTERS:
+        assert figures, "no chapter shows a figure"
+    small, unknown = [], []
+    for doc, f in figures:
+        px = rendered_text_px(book_html, f)
+        if px is None:
+            unknown.append(f"{doc}: {f['number']}")
+        elif px < least:
+            small.append(f"{doc}: {f['number']} smallest text {px:.1f} px (shown {f['shown']:.0f} px wide)")
+    assert not (small or unknown), (
+        f"at {width} px, figure text below {least} px:\n" + "\n".join(small)
+        + "\nto fix: no fontsize below labcode.plotting.MIN_TEXT_PT in a figure as wide as the column (a narrower "
+        "figure shrinks less on a phone)\nfigures whose PNG records no text size, drawn without labcode.plotting "
+        "(call labcode.plotting.figure or use_book_style first): " + ", ".join(unknown))
+
+
+def test_the_solution_title_opens_the_solution(page: Page, book_server):
+    """A click on the link in a solution's title ("Solution to Exercise 1") opens the solution where
+    it is, instead of jumping back to the exercise; a second click closes it."""
+    doc = next((d for d in CHAPTERS if "{solution}" in (ROOT / f"{d}.ipynb").read_text()), None)
+    if doc is None:
+        pytest.skip("no chapter with an exercise solution in _toc.yml yet")
+    watch = open_page(page, book_server, doc)
+    solutions = page.locator("div.solution.dropdown")
+    assert solutions.count() >= 1, f"{doc} has no solution"
+    for i in range(solutions.count()):
+        sol = solutions.nth(i)
+        link = sol.locator(":scope > .admonition-title a").first
+        body = sol.locator(":scope > :not(.admonition-title)").first
+        button = sol.locator(".toggle-button").first
+        url = page.url
+        link.scroll_into_view_if_needed()
+        top = page.evaluate("() => window.scrollY")
+        link.click()
+        body.wait_for(state="visible", timeout=5000)
+        assert button.get_attribute("aria-expanded") == "true", f"{doc}: solution {i} did not open"
+        assert page.url == url and abs(page.evaluate("() => window.scrollY") - top) < 2, (
+            f"{doc}: the title of solution {i} jumped to {page.url}")
+        link.click()
+        body.wait_for(state="hidden", timeout=5000)
+    watch.assert_clean(f"{doc} solution titles")
+
+
+def test_running_it_yourself_gives_the_repository_and_a_clone_line(page: Page, book_server):
+    url = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    open_page(page, book_server, "book/running")
+    article = page.locator("article.bd-article")
+    assert article.locator(f'a[href="{url}"]').count() >= 1, f"running.html does not link {url}"
+    code = "\n".join(article.locator("pre").all_inner_texts())
+    assert re.search(rf"^git clone {re.escape(url)}(\.git)?$", code, flags=re.M), code[:400]
+
+
+def test_appendix_figures_are_numbered_with_its_letter(measured_pages):
+    """Chapter N numbers its figures "Fig. N.k"; the appendix "Fig. A.k", never a bare "Fig. k"."""
+    appendices = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]["kvcv_appendices"]
+    bare = [(doc, i["number"]) for doc, m in measured_pages.items() for i in m["images"]
+            if i["number"] and re.fullmatch(r"Fig\. \d+", i["number"])]
+    assert not bare, f"figures numbered without their chapter: {bare}"
+    for doc, letter in appendices.items():
+        numbers = [i["number"] for i in measured_pages[doc]["images"]]
+        assert numbers and all(n.startswith(f"Fig. {letter}.") for n in numbers), (doc, numbers)
+
+
+def test_search_summaries_keep_table_cells_apart(page: Page, book_server):
+    """A search summary of a page with a table shows its cells apart ("a · b"), not run together."""
+    doc = next(d for d in CHAPTERS if "table" in (Path(ROOT / f"{d}.ipynb").read_text()))
+    page.goto(f"{book_server}search.html", wait_until="load")
+    html = page.evaluate("url => fetch(url).then(r => r.text())", f"{book_server}{doc}.html")
+    text, cells = page.evaluate(
+        """html => {
+            const doc = new DOMParser().parseFromString(html, "text/html");
+            const row = doc.querySelector("article.bd-article table tbody tr");
+            return [window.KVCVSearch.articleText(html, ""),
+                    [...row.querySelectorAll("td, th")].map(c => c.textContent.replace(/\\s+/g, " ").trim())];
+        }""",
+        html,
+    )
+    assert len(cells) >= 2, cells
+    assert " · ".join(cells) in text, f"{doc}: the summary runs the cells {cells} together"
+
+
+def test_bibliography_is_labelled_as_it_is_cited(page: Page, book_server):
+    """Citations are author-year, so the bibliography's labels are too ("Vaswani et al. 2017")."""
+    open_page(page, book_server, "book/references")
+    labels = page.locator("article.bd-article div.citation > .label").all_inner_texts()
+    assert labels, "no bibliography entries"
+    odd = [t for t in labels if not re.fullmatch(r"\[?[^\[\]\d]+ \d{4}[a-z]?\]?", t.strip())]
+    assert not odd, f"labels that are not author-year: {odd[:5]}"
+
+
+# ---- the verification report -------------------------------------------------------------------
+
+# A measured value as the report writes it: a number, a boolean, a list, "none", or a name.
+MEASURED = re.compile(r"-?[\d,]+(\.\d+)?(e[-+]\d+)?|true|false|none|\[.*\]|[A-Za-z_][\w.]*")
+
+
+def _shown_matches(shown: str, value) -> bool:
+    """`shown` is `value` as the report writes it: exact for integers and booleans, and for floats
+    within half a unit of the last significant digit shown."""
+    import math
+
+    if isinstance(value, bool):
+        return shown == str(value).lower()
+    if isinstance(value, int):
+        return shown == f"{value:,}"
+    if isinstance(value, float):
+        x = float(shown.replace(",", ""))
+        if x == 0:
+            return value == 0
+        mantissa = re.sub(r"e.*", "", shown).replace("-", "").replace(".", "").replace(",", "").lstrip("0")
+        last = math.floor(math.log10(abs(x))) - len(mantissa) + 1  # the last digit's power of ten
+        return abs(x - value) <= 0.5 * 10**last * (1 + 1e-9)
+    return True
+
+
+def test_report_shows_the_measured_value_beside_its_bound(page: Page, book_server):
+    """Every check of qa/results/*.json has its row, with the value it measured (not the bound, not
+    "true == true") in the measured column and the bound beside it; every performance target of the
+    benchmark record has its row with its measured value and met / not met."""
+    docs = {p.name: json.loads(p.read_text()) for p in sorted((ROOT / "qa" / "results").glob("*.json"))}
+    watch = open_page(page, book_server, "qa/verdicts")
+    rows = page.evaluate(
+        """() => [...document.querySelectorAll("table.kvcv-checks, table.kvcv-targets")].map(t => [
+              t.classList.contains("kvcv-targets") ? "targets" : t.closest("section").id,
+              [...t.querySelectorAll("tbody tr")].map(r => ({
+                  claim: r.cells[0].childNodes[0].textContent.trim(),
+                  measured: (r.querySelector("td.kvcv-measured") || {}).innerText,
+                  bound: (r.querySelector("td.kvcv-bound") || {}).innerText,
+                  verdict: r.cells[3].innerText.trim(),
+              }))])"""
+    )
+    tables = dict(rows)
+    problems = []
+    for source, doc in docs.items():
+        section = re.sub(r"[^a-z0-9]+", "-", source.lower()).strip("-")
+        shown = tables.get(section)
+        if shown is None or len(shown) != len(doc["checks"]):
+            problems.append(f"{source}: {len(doc['checks'])} checks, {len(shown or [])} rows")
+            continue
+        for check, row in zip(doc["checks"], shown, strict=True):
+            measured = (row["measured"] or "").strip()
+            where = f"{source} {check['name']}"
+            if not measured or not MEASURED.fullmatch(measured) or "rounding" in measured:
+                problems.append(f"{where}: measured shows {measured!r}")
+            elif not _shown_matches(measured, check["value"]):
+                problems.append(f"{where}: measured shows {measured!r}, the file holds {check['value']!r}")
+            bound = (row["bound"] or "").strip()
+            if not bound or bound[0] not in "≤<≥>=":
+                problems.append(f"{where}: no bound beside the value ({row['bound']!r})")
+            if row["verdict"].lower().lstrip("✓✗ \u00a0") != ("pass" if check["passed"] else "fail"):
+                problems.append(f"{where}: verdict {row['verdict']!r}")
+    targets = docs["bench.json"]["values"]["targets"]
+    shown = tables.get("targets", [])
+    assert len(shown) == len(targets), f"{len(targets)} targets, {len(shown)} rows"
+    for target, row in zip(targets, shown, strict=True):
+        if not _shown_matches(row["measured"].strip(), float(target["measured"])):
+            problems.append(f"target {target['name']}: measured shows {row['measured']!r}")
+        if row["verdict"].strip().lstrip("○✓ \u00a0") != ("met" if target["met"] else "not met"):
+            problems.append(f"target {target['name']}: verdict {row['verdict']!r}")
+    assert not problems, "\n".join(problems[:30])
+    watch.assert_clean("verification report")
+
+
+def test_report_rolls_up_by_chapter_and_filters(page: Page, book_server):
+    """The summary counts each chapter's checks and links to the list filtered to that chapter; the
+    filter shows one chapter's rows, or the failed ones, or those whose claim has a word."""
+    watch = open_page(page, book_server, "qa/verdicts")
+    rows = page.locator("table.kvcv-checks tbody tr")
+    total = rows.count()
+    summary = page.evaluate(
+        """() => [...document.querySelectorAll("table.kvcv-chapters tbody tr")].map(r => ({
+              chapter: r.cells[0].innerText.trim(), href: r.cells[1].querySelector("a").getAttribute("href"),
+              n: parseInt(r.cells[1].innerText), page: r.cells[0].querySelector("a").getAttribute("href")}))"""
+    )
+    assert summary and sum(s["n"] for s in summary) == total, (summary, total)
+    first = summary[0]
+    number = re.search(r"\d+", first["chapter"])[0]
+    page.goto(book_server + "qa/verdicts.html" + first["href"], wait_until="load")
+    visible = page.locator("table.kvcv-checks tbody tr:not([hidden])")
+    assert visible.count() == first["n"], f"{first['href']} shows {visible.count()} rows, not {first['n']}"
+    chapters = set(visible.evaluate_all("rs => rs.map(r => r.dataset.chapter)"))
+    assert chapters == {number}, chapters
+    links = set(visible.evaluate_all("rs => rs.map(r => r.cells[4].querySelector('a').getAttribute('href'))"))
+    assert links == {first["page"]}, links
+    page.select_option('[data-kvcv-filter="chapter"]', "")
+    assert page.locator("table.kvcv-checks tbody tr:not([hidden])").count() == total
+    page.select_option('[data-kvcv-filter="verdict"]', "fail")
+    failed = page.locator("table.kvcv-checks tbody tr:not([hidden])").count()
+    assert failed == page.locator('table.kvcv-checks tbody tr[data-verdict="fail"]').count()
+    page.select_option('[data-kvcv-filter="verdict"]', "")
+    page.fill('[data-kvcv-filter="words"]', "float32")
+    claims = page.locator("table.kvcv-checks tbody tr:not([hidden])").evaluate_all(
+        "rs => rs.map(r => r.cells[0].textContent)")
+    assert claims and all("float32" in c.lower() for c in claims), claims[:3]
+    assert page.locator('[data-kvcv-filter="count"]').inner_text() == f"{len(claims)} of {total} checks"
+    watch.assert_clean("report filter")
+
+
+def test_report_file_names_break_only_between_words(page: Page, book_server):
+    """At 1280 px the result-file and command cells keep each word whole ("engines.json", never
+    "engines.jso" / "n"): every line break falls after _ . / or a space."""
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
+    open_page(page, book_server, "qa/verdicts")
+    broken = page.evaluate(
+        r"""() => {
+            const bad = [];
+            for (const code of document.querySelectorAll("td.kvcv-file code, td.kvcv-files-cell code")) {
+                const range = document.createRange();
+                const walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+                let lastTop = null, prev = "";
+                for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+                    for (let i = 0; i < node.length; i++) {
+                        range.setStart(node, i); range.setEnd(node, i + 1);
+                        const rect = range.getClientRects()[0];
+                        if (!rect) continue;
+                        if (lastTop !== null && rect.top > lastTop + 2 && !/[_./\s]/.test(prev))
+                            bad.push(code.textContent);
+                        lastTop = rect.top; prev = node.data[i];
+                    }
+                }
+            }
+            return bad;
+        }"""
+    )
+    assert not broken, f"names broken inside a word: {broken}"
 
 
 # ---- the explorer ----------------------------------------------------------------------------
