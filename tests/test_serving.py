@@ -20,6 +20,7 @@ from labcode.serving import (
     check_invariants,
     compare_prefix_caches,
     few_shot_trace,
+    gaps_to_alone,
     multi_turn_trace,
     run_paged_batch,
     salted_hashes,
@@ -57,8 +58,12 @@ def traces(draw) -> list[Request]:
         if out:
             donor = out[draw(st.integers(0, len(out) - 1))].prompt
             prompt = list(donor[: draw(st.integers(0, len(donor)))]) + prompt
+        parent = None
+        firsts = [r.rid for r in out if r.parent is None]
+        if firsts and draw(st.integers(0, 4)) == 0:  # a follow-up turn: short, so the whole chat fits the context
+            parent, prompt = draw(st.sampled_from(firsts)), prompt[:4]
         out.append(Request(f"r{i}", draw(st.integers(0, 4)), tuple(prompt[:14]), draw(st.integers(1, 5)),
-                           draw(st.sampled_from([None, None, "t"]))))
+                           draw(st.sampled_from([None, None, "t"])), parent))
     return out
 
 
@@ -68,11 +73,15 @@ def traces(draw) -> list[Request]:
 def test_every_request_equals_running_it_alone(model, trace, block_size, spare, budget, prefix):
     """Tokens and float64 logits of every request equal generate_nocache's, with preemption and prefix hits;
     the invariants hold after every step."""
-    need = max(-(-(len(r.prompt) + r.max_new - 1) // block_size) for r in trace)
+    total = {}
+    for r in trace:
+        total[r.rid] = len(r.prompt) + r.max_new + (total[r.parent] if r.parent else 0)
+    need = max(-(-(n - 1) // block_size) for n in total.values())
     sched = serve(MODELS[model], trace, need + spare, block_size, budget, prefix, check=True)
     assert set(sched.done) == {r.rid for r in trace} and not sched.refused
     event(f"preempted: {sched.preemptions > 0}")
     event(f"prefix hits: {sum(s.hit_tokens for s in sched.done.values()) > 0}")
+    event(f"follow-up turns: {any(r.parent for r in trace)}")
     assert_each_alone(MODELS[model], sched)
 
 
@@ -246,3 +255,13 @@ def test_both_prefix_caches_on_the_same_traces():
         assert runs[0]["cache"] == "none" and runs[0]["hit_rate"] == 0.0
         assert all(r["outputs"] == runs[0]["outputs"] for r in runs)  # hits never change a token
         assert all(r["hit_rate"] > 0 and r["computed"] < runs[0]["computed"] for r in runs[1:])
+
+
+def test_gaps_to_alone_measure_the_served_logits_against_the_full_forward():
+    trace = system_prompt_trace(6, 4, V, system_len=6, max_new=3)
+    sched = serve(MODEL, trace, 12, 2, 5, "hash")
+    gaps = gaps_to_alone(MODEL, sched)
+    assert set(gaps) == set(sched.done) and all(g <= TOL64 and same for g, same in gaps.values())
+    seq = sched.done["s1"]
+    seq.logits[-1] = seq.logits[-1] + 1e-3  # a planted error in one logit row shows
+    assert gaps_to_alone(MODEL, sched)["s1"][0] >= 1e-3 * 0.99

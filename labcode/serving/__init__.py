@@ -3,7 +3,7 @@
 Introduced in the chapter on serving (to come). Importing it does nothing.
 """
 
-from labcode.serving.compare import compare_prefix_caches, distinct_prefixes, summary
+from labcode.serving.compare import compare_prefix_caches, distinct_prefixes, gaps_to_alone, summary
 from labcode.serving.paged_batch import PagedBatch, run_paged_batch
 from labcode.serving.prefix import HashPrefixCache, RadixPrefixCache, salted_hashes
 from labcode.serving.scheduler import Scheduler, Seq, check_invariants, serve
@@ -20,6 +20,7 @@ __all__ = [
     "compare_prefix_caches",
     "distinct_prefixes",
     "few_shot_trace",
+    "gaps_to_alone",
     "multi_turn_trace",
     "random_trace",
     "run_paged_batch",

@@ -7,7 +7,10 @@ with the same number of token slots, so the table separates the data structure f
 
 from __future__ import annotations
 
+import torch
+
 from labcode.checks import fail, is_int
+from labcode.generate import generate_nocache
 from labcode.model import GPT
 from labcode.serving.scheduler import Scheduler, serve
 from labcode.serving.trace import Request
@@ -21,6 +24,22 @@ def distinct_prefixes(sched: Scheduler) -> int:
         for i in range(len(seq.tokens) - 1):  # the last token is never fed back
             seen.add((seq.req.salt, tuple(seq.tokens[: i + 1])))
     return len(seen)
+
+
+def gaps_to_alone(model: GPT, sched: Scheduler) -> dict[str, tuple[float, bool]]:
+    """Per finished request: the largest |logit difference| [V per token] between its served logits and the full
+    forward over the same tokens (teacher-forced, so a flipped greedy token does not derail the comparison), and
+    whether its tokens equal those it gets run alone with no cache. In float64: rounding; in float32 the batch
+    changes reduction orders, and this measures by how much."""
+    out = {}
+    with torch.inference_mode():
+        for rid, seq in sched.done.items():
+            full = model(torch.tensor([seq.tokens[:-1]], device=model.device))[0]  # (N - 1, V)
+            served = torch.stack(seq.logits)  # (n, V): one row per generated token
+            gap = (served - full[seq.prompt_len - 1 :]).abs().max().item()
+            alone = generate_nocache(model, torch.tensor([seq.tokens[: seq.prompt_len]]), seq.req.max_new)
+            out[rid] = (gap, alone.ids[0].tolist() == seq.tokens)
+    return out
 
 
 def summary(sched: Scheduler) -> dict:
