@@ -1,0 +1,191 @@
+"""Speculative decoding on every cache kind that rolls back: greedy output is plain greedy decoding's, token for
+token, with every verified position's logits equal to the target's (float64, 1e-12); sampled output keeps the
+target's distribution (seeded chi-squared tests that a wrong acceptance rule fails)."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import pytest
+import torch
+from helpers import EXACT, TOL64, build, make_cache, property_configs, rejected
+
+from labcode.caches import CacheError, ConcatCache, WindowCache
+from labcode.engines import QuantizedCache
+from labcode.generate import generate, generate_nocache
+from labcode.speculative import (
+    ModelDraft,
+    PromptLookupDraft,
+    accept_draft,
+    first_layers,
+    probabilities,
+    speculation_stats,
+    speculative_generate,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # defined in conftest.py
+
+CONFIGS = property_configs(context_length=40)
+MODELS = [build(CONFIGS[i], i, scale=0.5) for i in (0, 2, 3)]  # 2 and 3 layers, learned and rotary positions
+PROMPTS = [torch.randint(0, 11, (1, p), generator=torch.Generator().manual_seed(p)) for p in (3, 7)]
+
+
+def chi2_critical(df: int, alpha: float) -> float:
+    """The chi-squared quantile 1 - alpha by the Wilson-Hilferty cube-root approximation (within 2% for df >= 5
+    at these levels, and slightly above the exact value, so the test errs towards passing a correct rule):
+    df (1 - 2/(9 df) + z sqrt(2/(9 df)))^3, z the standard normal quantile (Python's statistics module)."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    a = 2 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of category counts [V] against probabilities [V], the categories expected fewer than 5
+    times pooled into one; returns (statistic, degrees of freedom)."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    obs = torch.cat((counts[~small].double(), counts[small].double().sum().view(1)))
+    exp = torch.cat((expected[~small], expected[small].sum().view(1)))
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(((obs - exp) ** 2 / exp).sum()), int(keep.sum()) - 1
+
+
+def test_the_critical_value_matches_the_table():
+    assert 0 < chi2_critical(10, 1e-3) - 29.588 < 0.01 * 29.588  # above the tabulated 0.999 quantile for 10 df
+    assert abs(chi2_critical(5, 1e-3) - 20.515) / 20.515 < 0.02
+
+
+def drafts_for(model, kind: str):
+    return PromptLookupDraft() if kind == "lookup" else ModelDraft(first_layers(model, 1), ConcatCache(1))
+
+
+# -- greedy: plain greedy decoding's tokens and logits ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", EXACT)
+@pytest.mark.parametrize("draft", ["lookup", "layers"])
+def test_greedy_speculation_is_greedy_decoding_on_every_cache(kind, draft):
+    drafted = accepted = 0
+    for model in MODELS:
+        for ids, k in zip(PROMPTS, (2, 4), strict=True):
+            ref = generate_nocache(model, ids, 16)
+            out = speculative_generate(model, ids, 16, make_cache(kind, model, 40), drafts_for(model, draft), k=k)
+            assert torch.equal(out.ids, ref.ids) and out.stop_reason == ref.stop_reason
+            assert len(out.step_logits) == 16
+            diff = max((a - b).abs().max().item() for a, b in zip(out.step_logits, ref.step_logits, strict=True))
+            assert diff <= TOL64
+            assert out.target_passes == 1 + len(out.drafted) < 16
+            assert out.new_tokens == 1 + sum(out.accepted) + len(out.drafted)
+            drafted, accepted = drafted + sum(out.drafted), accepted + sum(out.accepted)
+    assert drafted > accepted > 0  # both outcomes happened: kept drafts and rolled-back ones
+
+
+def test_greedy_speculation_on_a_quantised_cache_is_its_cached_greedy_decoding():
+    model, ids = MODELS[1], PROMPTS[1]
+    ref = generate(model, ids, 16, QuantizedCache(model.cfg.n_layers))
+    out = speculative_generate(model, ids, 16, QuantizedCache(model.cfg.n_layers), drafts_for(model, "layers"), k=3)
+    assert torch.equal(out.ids, ref.ids)
+    assert max((a - b).abs().max().item() for a, b in zip(out.step_logits, ref.step_logits, strict=True)) <= TOL64
+
+
+def test_the_stop_reasons_are_generate_s():
+    model, ids = MODELS[0], PROMPTS[1]
+    out = speculative_generate(model, ids, 100, ConcatCache(model.cfg.n_layers), PromptLookupDraft(), k=4)
+    assert out.stop_reason == "context_length" and out.ids.shape[1] == 40
+    assert torch.equal(out.ids, generate_nocache(model, ids, 100).ids)
+    assert speculative_generate(model, ids, 0, ConcatCache(2), PromptLookupDraft()).new_tokens == 0
+
+
+def test_stats_count_what_happened():
+    model = MODELS[1]
+    draft = drafts_for(model, "layers")
+    out = speculative_generate(model, PROMPTS[0], 12, ConcatCache(model.cfg.n_layers), draft, k=3)
+    stats = speculation_stats(out)
+    assert stats["acceptance_rate"] == sum(out.accepted) / sum(out.drafted)
+    assert stats["target_passes_per_token"] == out.target_passes / 12
+    assert out.draft_passes == draft.passes > 0
+    assert draft.cache.position <= out.ids.shape[1] - 1  # the draft's cache was rolled back with the target's
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    draft = PromptLookupDraft(max_n=2)
+    assert draft.propose(torch.tensor([[1, 2, 3, 9, 1, 2]]), 3, None) == ([3, 9, 1], None)
+    assert draft.propose(torch.tensor([[5, 1, 4, 1, 6, 1]]), 2, None) == ([6, 1], None)  # n = 1, the latest "1"
+    assert draft.propose(torch.tensor([[5, 1, 4, 1, 6, 1]]), 3, None) == ([4, 1, 6], None)  # the longest there is
+    assert draft.propose(torch.tensor([[1, 2, 3]]), 2, None) == ([], None)
+
+
+def test_first_layers_shares_the_target_s_modules():
+    model = MODELS[1]
+    draft = first_layers(model, 1)
+    assert draft.cfg.n_layers == 1 and draft.blocks[0] is model.blocks[0] and draft.tok_emb is model.tok_emb
+    with pytest.raises(ValueError, match=r"n_layers: expected an int in \[1, 3\), got 3"):
+        first_layers(model, 3)
+
+
+def test_bad_requests_are_refused_before_anything_runs():
+    model, ids = MODELS[0], PROMPTS[1]
+    cache = ConcatCache(model.cfg.n_layers)
+    rejected(cache, lambda: speculative_generate(model, ids, 5, cache, PromptLookupDraft(), k=0), ValueError,
+             r"k: expected a positive number")
+    rejected(cache, lambda: speculative_generate(model, ids.repeat(2, 1), 5, cache, PromptLookupDraft()),
+             ValueError, r"ids: expected one sequence")
+    rejected(cache, lambda: speculative_generate(model, ids, 5, cache, "draft"), ValueError, r"draft: expected")
+    window = WindowCache(model.cfg.n_layers, 10)  # 7 + 5 - 1 positions would make it drop, then refuse rollbacks
+    rejected(window, lambda: speculative_generate(model, ids, 5, window, PromptLookupDraft()), CacheError,
+             r"cache: expected a cache that keeps the 11 positions this run may roll back, got WindowCache keeping 10")
+    small = WindowCache(model.cfg.n_layers, 20)
+    rejected(small, lambda: speculative_generate(model, ids, 5, small, PromptLookupDraft(), k=20), ValueError,
+             r"k: expected at most 19")
+    rejected(cache, lambda: speculative_generate(model, ids, 5, cache, PromptLookupDraft(), temperature=1.0),
+             ValueError, r"generator: expected a torch.Generator")
+    draft = ModelDraft(first_layers(model, 1), WindowCache(1, 8))
+    rejected(cache, lambda: speculative_generate(model, ids, 5, cache, draft), CacheError, r"draft cache: expected")
+
+
+# -- sampling: the target's distribution, whatever the draft ------------------------------------------
+
+
+def rule_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, seed: int) -> torch.Tensor:
+    """Counts [V] of the first token the acceptance rule emits, each draft token drawn from q (or fixed)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[1], dtype=torch.long)
+    for _ in range(draws):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(q.shape[0])] if q is not None else [3]
+        j, nxt = accept_draft(p, q, drafts, gen)
+        counts[drafts[0] if j > 0 else nxt] += 1
+    return counts
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_the_acceptance_rule_emits_the_target_s_distribution(with_q):
+    """A draft far from the target (q) or a point mass (prompt lookup): the first emitted token is still p_1's."""
+    gen = torch.Generator().manual_seed(0)
+    p = (torch.randn(3, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
+    q = (torch.randn(2, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1) if with_q else None
+    if not with_q:
+        p = p[:2]
+    stat, df = chi2_statistic(rule_counts(p, q, 4000, seed=1), p[0])
+    assert stat < chi2_critical(df, 1e-3), (stat, df)
+
+
+def test_sampled_speculation_keeps_the_target_s_distribution():
+    """The second new token of sampled speculative decoding (the first one a verify pass emits), over many seeded
+    runs, against its exact marginal: sum over x1 of p(x1) p(x2 | prompt, x1), computed without a cache."""
+    model, ids, t = MODELS[1], PROMPTS[0], 1.5
+    with torch.no_grad():
+        p1 = probabilities(model(ids)[0, -1], t)  # (V,)
+        nxt = torch.cat((ids.repeat(11, 1), torch.arange(11).view(11, 1)), dim=1)  # every first token x1
+        marginal = p1 @ probabilities(model(nxt)[:, -1], t)  # (V,)
+    draft = first_layers(model, 1)
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(11, dtype=torch.long)
+    for _ in range(800):
+        out = speculative_generate(model, ids, 3, ConcatCache(3), ModelDraft(draft, ConcatCache(1)), k=2,
+                                   temperature=t, generator=gen)
+        counts[int(out.ids[0, ids.shape[1] + 1])] += 1
+    stat, df = chi2_statistic(counts, marginal)
+    assert stat < chi2_critical(df, 1e-3), (stat, df)
+
