@@ -170,7 +170,7 @@ class RadixPrefixCache:
         path = self._path(node)
         tree_blocks = [b for used in path for b in used.blocks]
         for mine, theirs in zip(blocks, tree_blocks, strict=False):
-            if mine != theirs:  # the same tokens at the same positions: the same keys and values
+            if mine != theirs:  # same tokens, same positions: the same keys and values up to rounding
                 self.pool.incref(theirs)
                 self.pool.decref(mine)
         for used in path:
