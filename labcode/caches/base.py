@@ -17,7 +17,7 @@ of the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -255,6 +255,26 @@ class KVCache:
         """Forget the storage of the last n positions (0 < n <= rollback_limit()); `rollback` moves position."""
         fail("rollback", "a cache kind that can roll back", type(self).__name__, CacheError)
 
+    def reorder(self, index: torch.Tensor) -> int:
+        """Row b becomes old row index[b] in every layer (beam search: each beam continues its parent); index [B']
+        may repeat rows and change B. Returns the bytes written. Introduced in the chapter on rollback (to come)."""
+        self._check_reorder(index)
+        moved = self._reorder(index)
+        self.layout = replace(self.layout, batch=index.shape[0])
+        return moved
+
+    def _check_reorder(self, index: torch.Tensor) -> None:
+        self._between_passes("reorder between passes")
+        if self.layout is None:
+            fail("cache", "a cache holding rows to reorder", "an empty one", CacheError)
+        b = self.layout.batch
+        if not (isinstance(index, torch.Tensor) and index.dim() == 1 and index.numel() > 0
+                and index.dtype == torch.long and int(index.min()) >= 0 and int(index.max()) < b):
+            fail("index", f"a non-empty rank-1 long tensor of rows in [0, {b})", index, CacheError)
+
+    def _reorder(self, index: torch.Tensor) -> int:
+        fail("reorder", "a cache kind whose rows can be reordered", type(self).__name__, CacheError)
+
     # -- built on the contract ---------------------------------------------------------
     def check(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str) -> None:
         """Raise CacheError if `begin` would refuse this pass; change nothing."""
@@ -351,6 +371,16 @@ class PerLayerCache(KVCache):
 
     def length(self, layer: int = 0) -> int:
         return 0 if self.k[layer] is None else self.k[layer].shape[2]
+
+    def _reorder(self, index: torch.Tensor) -> int:
+        """New buffers gathered row by row (whole buffers, free slots included, as a static cache's are)."""
+        moved = 0
+        for buffers in (self.k, self.v):
+            for layer, t in enumerate(buffers):
+                if t is not None:
+                    buffers[layer] = t.index_select(0, index.to(t.device))
+                    moved += buffers[layer].nbytes
+        return moved
 
     def read(self, layer: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.k[layer], self.v[layer]

@@ -60,6 +60,10 @@ class PairsCache(KVCache):
         keep = self.length() - n
         self.pairs = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self.pairs]
 
+    def _reorder(self, index: torch.Tensor) -> int:
+        self.pairs = [tuple(t.index_select(0, index.to(t.device)) for t in pair) for pair in self.pairs]
+        return sum(t.nbytes for pair in self.pairs for t in pair)
+
     def length(self, layer: int = 0) -> int:
         pair = self.pairs[layer]
         return 0 if pair is None else pair[0].shape[2]

@@ -107,6 +107,14 @@ class ModuleStateCache(KVCache):
                 attn.ptr_current_pos -= n
             self.model.current_pos -= n
 
+    def reorder(self, index: torch.Tensor) -> int:
+        """Every module's buffers gathered row by row (the layout is read from them). Returns the bytes written."""
+        self._check_reorder(index)
+        for attn in self.attns:
+            attn.cache_k = attn.cache_k.index_select(0, index.to(attn.cache_k.device))
+            attn.cache_v = attn.cache_v.index_select(0, index.to(attn.cache_v.device))
+        return sum(t.nbytes for a in self.attns for t in (a.cache_k, a.cache_v))
+
     def fork(self) -> KVCache:
         fail("fork", "a cache object (this state lives in the one model: a second copy cannot exist)",
              "the naive cache", CacheError)

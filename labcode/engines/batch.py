@@ -111,6 +111,15 @@ class ScatteredCache(PerLayerCache):
         self.lengths[row] -= n_drop
         self.position = max(self.lengths)
 
+    def _reorder(self, index: torch.Tensor) -> int:
+        """Rows gathered with their lengths (no plan may be pending: it was made for the old rows)."""
+        if self.planned is not None:
+            fail("plan", "no pending plan (it was made for the rows before the reorder)", self.planned, CacheError)
+        moved = super()._reorder(index)
+        self.lengths = [self.lengths[i] for i in index.tolist()]
+        self.rows = index.shape[0]
+        return moved
+
     def rollback_limit(self) -> int:
         """The most positions `rollback` can remove from every row: the shortest row's length."""
         return min(self.lengths)

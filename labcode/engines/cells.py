@@ -191,6 +191,10 @@ class CellsCache(PerLayerCache):
             fail("dst", "a sequence that holds no cells", dst, CacheError)
         self.owners[self.owners[:, src] & (self.pos >= p0) & (self.pos < p1), dst] = True
 
+    def _reorder(self, index: torch.Tensor) -> int:
+        fail("reorder", "a cache with one row per sequence (cells hold every sequence in one row: use seq_cp)",
+             "CellsCache", CacheError)
+
     def rollback_limit(self, seq: int | None = None) -> int:
         """The most positions `rollback` can remove from sequence `seq` (default: `default_seq`; without one,
         the positions of the whole cache)."""

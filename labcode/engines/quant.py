@@ -106,6 +106,10 @@ class QuantizedCache(KVCache):
         keep = self.length() - n
         self.codes = [[t[:, :, :keep] for t in c] for c in self.codes]
 
+    def _reorder(self, index: torch.Tensor) -> int:
+        self.codes = [[t.index_select(0, index.to(t.device)) for t in c] for c in self.codes]
+        return sum(t.nbytes for c in self.codes for t in c)
+
     def length(self, layer: int = 0) -> int:
         return 0 if self.codes[layer] is None else self.codes[layer][0].shape[2]
 
