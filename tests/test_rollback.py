@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FACTORIES, TOL64, build, make_cache, property_configs, rejected
+from helpers import FACTORIES, ONE_ROW, TOL64, build, make_cache, property_configs, rejected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,24 +24,25 @@ FORKLESS = {"naive"}  # its state lives in the one model: it cannot fork
 FEW = settings(max_examples=25, deadline=None, derandomize=True)
 
 
-def new_cache(kind: str, model, block_size: int = 3):
+def new_cache(kind: str, model, block_size: int = 3, batch: int = 1):
     """An empty cache of `kind` with room for ROOM positions; a paged pool with room for three sequences."""
     if kind == "paged":
         return PagedCache(BlockPool(model.cfg.n_layers, n_blocks=3 * -(-ROOM // block_size), block_size=block_size))
-    return make_cache(kind, model, ROOM)
+    return make_cache(kind, model, ROOM, batch)
 
 
-def reference(kind: str, model, tokens: list[int]) -> tuple[torch.Tensor, object]:
-    """Logits [1, N, V] of `tokens` computed in one pass by a cache that was never rolled back, and that cache:
-    the full forward for every exact kind, a fresh quantised cache for the quantised one (it rounds its keys)."""
+def reference(kind: str, model, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """Logits [B, N, V] of tokens [B, N] computed in one pass by a cache that was never rolled back, and that
+    cache: the full forward for every exact kind, a fresh quantised cache for the quantised one (it rounds)."""
     cache = QuantizedCache(model.cfg.n_layers, bits=8) if kind == "quantized" else ConcatCache(model.cfg.n_layers)
-    return model(torch.tensor([tokens]), cache), cache
+    return model(tokens, cache), cache
 
 
-def check_holds(kind: str, model, cache, tokens: list[int]) -> None:
-    """`cache` holds exactly the keys and values of `tokens`: position, length and every layer's K, V."""
-    assert cache.position == len(tokens) and cache.length() == len(tokens)
-    if not tokens:
+def check_holds(kind: str, model, cache, tokens: torch.Tensor) -> None:
+    """`cache` holds exactly the keys and values of tokens [B, N]: position, length and every layer's K, V."""
+    n = tokens.shape[1]
+    assert cache.position == n and cache.length() == n
+    if not n:
         return
     _, ref = reference(kind, model, tokens)
     for layer in range(model.cfg.n_layers):
@@ -64,39 +65,42 @@ def check_pool(handles: list) -> None:
 
 @st.composite
 def programs(draw, forks: bool):
-    """A model, a block size, a seed for the token ids, and up to 7 steps: ("write", handle, T),
+    """A model, a block size, a batch size, a seed for the token ids, and up to 7 steps: ("write", handle, T),
     ("back", handle, n) or ("fork", handle); handle indices are taken modulo the handles alive then."""
     steps = [("write", 0, draw(st.integers(1, 5)))]
     op = st.sampled_from(["write", "back", "fork"] if forks else ["write", "back"])
     for _ in range(draw(st.integers(1, 6))):
         steps.append((draw(op), draw(st.integers(0, 2)), draw(st.integers(1, 5))))
-    return draw(st.integers(0, len(MODELS) - 1)), draw(st.integers(1, 4)), draw(st.integers(0, 2**31 - 1)), steps
+    batch = draw(st.integers(1, 2))
+    return draw(st.integers(0, len(MODELS) - 1)), draw(st.integers(1, 4)), batch, draw(st.integers(0, 2**31 - 1)), steps
 
 
 def run_program(kind: str, program) -> None:
     """Play `program` on caches of `kind`, checking every step against the never-rolled-back reference."""
-    model_index, block_size, seed, steps = program
+    model_index, block_size, batch, seed, steps = program
+    batch = 1 if kind in ONE_ROW else batch
     model, gen = MODELS[model_index], torch.Generator().manual_seed(seed)
-    handles = [(new_cache(kind, model, block_size), [])]  # (cache, the tokens it should hold)
+    empty = torch.zeros(batch, 0, dtype=torch.long)
+    handles = [(new_cache(kind, model, block_size, batch), empty)]  # (cache, the tokens [B, N] it should hold)
     for op, which, size in steps:
         i = which % len(handles)
         cache, tokens = handles[i]
         if op == "write":
-            t = min(size, ROOM - len(tokens))
+            t = min(size, ROOM - tokens.shape[1])
             if t == 0:
                 continue
-            new = torch.randint(0, model.cfg.vocab_size, (t,), generator=gen).tolist()
-            got = model(torch.tensor([new]), cache)
-            tokens = tokens + new
+            new = torch.randint(0, model.cfg.vocab_size, (batch, t), generator=gen)
+            got = model(new, cache)
+            tokens = torch.cat((tokens, new), dim=1)
             want = reference(kind, model, tokens)[0][:, -t:]
             assert (got - want).abs().max().item() <= TOL64, (kind, op, tokens)
         elif op == "back":
-            n = min(size, len(tokens))
+            n = min(size, tokens.shape[1])
             cache.rollback(n)
-            tokens = tokens[: len(tokens) - n]
+            tokens = tokens[:, : tokens.shape[1] - n]
             check_holds(kind, model, cache, tokens)
         elif len(handles) < 3:
-            handles.append((cache.fork(), list(tokens)))
+            handles.append((cache.fork(), tokens.clone()))
         handles[i] = (cache, tokens)
         if kind == "paged":
             check_pool(handles)
@@ -194,7 +198,7 @@ def test_paged_rollback_frees_blocks_and_keeps_forks_intact():
     got = model(torch.tensor([[9]]), a)
     assert pool.copies == 1 and a.table != b.table
     assert (got - model(torch.tensor([[1, 9]]))[:, -1:]).abs().max().item() <= TOL64
-    check_holds("paged", model, b, [1, 2])
+    check_holds("paged", model, b, torch.tensor([[1, 2]]))
     a.free()
     b.free()
     assert pool.n_free == 8 and pool.refcount == [0] * 8

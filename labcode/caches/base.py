@@ -12,7 +12,10 @@ Introduced in chapter 3. A forward pass with a cache is three steps, always in t
 cache places them at itself (chapter 9). Every refusal happens in `begin`, before anything is
 written, so a refused pass changes nothing; a pass that fails after `begin` is closed with
 `cancel()`, which commits nothing. A fork owns everything it will write. A cache knows nothing
-of the model.
+of the model. Between passes, `rollback(n)` removes the last n committed positions as if they had
+never been written (refused, changing nothing, past `rollback_limit()`: a window that dropped
+positions cannot bring them back), and `reorder(index)` gathers batch rows (beam search); both
+come from the chapter on rollback (to come).
 """
 
 from __future__ import annotations
