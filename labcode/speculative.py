@@ -95,7 +95,10 @@ class ModelDraft:
         self.model, self.cache, self.passes = model, cache, 0
 
     def check(self, target: nn.Module, positions: int) -> None:
-        """The draft must speak the target's vocabulary and hold every position the target may roll back."""
+        """The draft must speak the target's vocabulary, start empty and hold every position it may roll back."""
+        if self.cache.position:
+            fail("draft cache", "an empty cache (a ModelDraft serves one generation: reset its cache for the next)",
+                 f"one at position {self.cache.position}", CacheError)
         if self.model.cfg.vocab_size != target.cfg.vocab_size:
             fail("draft", f"a model of the target's vocabulary, {target.cfg.vocab_size}", self.model.cfg.vocab_size)
         check_keeps(self.cache, positions, "draft cache")

@@ -143,6 +143,10 @@ def test_bad_requests_are_refused_before_anything_runs():
              ValueError, r"generator: expected a torch.Generator")
     draft = ModelDraft(first_layers(model, 1), WindowCache(1, 8))
     rejected(cache, lambda: speculative_generate(model, ids, 5, cache, draft), CacheError, r"draft cache: expected")
+    used = ModelDraft(first_layers(model, 1), ConcatCache(1))
+    speculative_generate(model, ids, 5, ConcatCache(model.cfg.n_layers), used)
+    rejected(cache, lambda: speculative_generate(model, ids, 5, cache, used), CacheError,
+             r"draft cache: expected an empty cache \(a ModelDraft serves one generation")
 
 
 # -- sampling: the target's distribution, whatever the draft ------------------------------------------
