@@ -134,6 +134,13 @@
       opener = img;
       big.src = img.currentSrc || img.src;
       big.alt = img.alt;
+      // A phone shows the figure at its size on a desk (its PNG holds twice the pixels: labcode.plotting)
+      // and scrolls; a wider screen fits it to the window.
+      var shown = img.getBoundingClientRect().width;
+      var desk = Math.max(shown, img.naturalWidth / 2);
+      var fit = Math.min(img.naturalWidth, window.innerWidth - 24,
+                         (window.innerHeight - 24) * img.naturalWidth / img.naturalHeight);
+      big.style.width = Math.round(window.innerWidth < 600 ? desk : Math.max(shown, fit)) + "px";
       overlay.hidden = false;
       document.documentElement.classList.add("kvcv-enlarged-open");
       overlay.focus();
