@@ -63,7 +63,7 @@ class PromptLookupDraft:
         self.max_n, self.min_n = max_n, min_n
         self.passes = 0
 
-    def check(self, target: nn.Module, positions: int) -> None:
+    def check(self, target: nn.Module, positions: int, k: int) -> None:
         """Nothing to check: the draft reads only the tokens."""
 
     def propose(self, ids: torch.Tensor, k: int, sample: Sampler) -> tuple[list[int], None]:
@@ -94,14 +94,14 @@ class ModelDraft:
             fail("cache", "an empty cache for the draft", f"one at position {cache.position}", CacheError)
         self.model, self.cache, self.passes = model, cache, 0
 
-    def check(self, target: nn.Module, positions: int) -> None:
+    def check(self, target: nn.Module, positions: int, k: int) -> None:
         """The draft must speak the target's vocabulary, start empty and hold every position it may roll back."""
         if self.cache.position:
             fail("draft cache", "an empty cache (a ModelDraft serves one generation: reset its cache for the next)",
                  f"one at position {self.cache.position}", CacheError)
         if self.model.cfg.vocab_size != target.cfg.vocab_size:
             fail("draft", f"a model of the target's vocabulary, {target.cfg.vocab_size}", self.model.cfg.vocab_size)
-        check_keeps(self.cache, positions, "draft cache")
+        check_keeps(self.cache, positions, "draft cache", k)
         if self.cache.max_chunk is not None and self.cache.max_chunk < 2:
             fail("draft cache", "one that takes chunks of 2 tokens (it catches up on two after a full accept)",
                  f"max_chunk {self.cache.max_chunk}", CacheError)
@@ -165,11 +165,12 @@ def accept_draft(p: torch.Tensor, q: torch.Tensor | None, draft: list[int],
     return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
 
 
-def check_keeps(cache: KVCache, positions: int, name: str) -> None:
-    """A cache that drops past `cache.keeps` positions cannot roll back afterwards: refuse a run that needs more."""
-    if cache.keeps is not None and positions > cache.keeps:
-        fail(name, f"a cache that keeps the {positions} positions this run may roll back",
-             f"{type(cache).__name__} keeping {cache.keeps}", CacheError)
+def check_keeps(cache: KVCache, positions: int, name: str, k: int) -> None:
+    """A cache that drops past `cache.keeps` positions can then roll back only its `rollback_reserve`: refuse a
+    run that needs more positions than it keeps, unless that reserve covers the k drafts of a pass."""
+    if cache.keeps is not None and positions > cache.keeps and cache.rollback_reserve < k:
+        fail(name, f"a cache that keeps the {positions} positions this run may roll back (or a rollback reserve "
+             f"of k = {k})", f"{type(cache).__name__} keeping {cache.keeps}", CacheError)
 
 
 def _judge(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, sample: Sampler) -> tuple[int, int]:
@@ -206,8 +207,8 @@ def speculative_generate(target: nn.Module, ids: torch.Tensor, max_new_tokens: i
     room, p = cache.room(), ids.shape[1]
     n, reason = new_token_budget(cache.position + p, max_new_tokens, target.cfg.context_length,
                                  None if room is None else room - p)
-    check_keeps(cache, cache.position + p + n - 1, "cache")
-    draft.check(target, cache.position + p + n - 1)
+    check_keeps(cache, cache.position + p + n - 1, "cache", k)
+    draft.check(target, cache.position + p + n - 1, k)
     out = Speculation(ids=ids, new_tokens=n, stop_reason=reason)
     if n == 0:
         return out

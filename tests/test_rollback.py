@@ -256,3 +256,35 @@ def test_scattered_rollback_shortens_every_row():
     rows = run_ragged(model, cache, [[9], [9]])
     for row, seq in zip(rows, ([1, 2, 9], [9]), strict=True):
         assert (row - model(torch.tensor([seq]))[0, -1:]).abs().max().item() <= TOL64
+
+
+# -- a sliding window that keeps a reserve can roll back after it trims --------------------------------
+
+SLIDING = build(property_configs(context_length=40)[1].with_(sliding_window=4), 5, scale=0.5)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(steps=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 3)), min_size=1, max_size=8),
+       reserve=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_a_sliding_window_with_a_reserve_rolls_back_after_trimming(steps, reserve, seed):
+    """A sliding-window model (W = 4) on a cache that keeps `reserve` rows more than W - 1: after any writes it
+    rolls back up to the reserve, and every later chunk equals the banded full forward of the kept tokens."""
+    model, gen = SLIDING, torch.Generator().manual_seed(seed)
+    cache = SlidingWindowCache(model.cfg.n_layers, 4, reserve=reserve)
+    tokens = torch.zeros(1, 0, dtype=torch.long)
+    for t, back in steps:
+        t = min(t, 40 - tokens.shape[1])
+        if t:  # after a write of t tokens, at least min(t, reserve) can be rolled back: what a verify pass needs
+            new = torch.randint(0, 11, (1, t), generator=gen)
+            got = model(new, cache)
+            tokens = torch.cat((tokens, new), dim=1)
+            assert (got - model(tokens)[:, -t:]).abs().max().item() <= TOL64
+        limit = cache.rollback_limit()
+        assert limit == (tokens.shape[1] if cache.total_dropped == 0 else cache.length() - 3)
+        assert limit >= min(reserve, t)
+        n = min(back, limit)
+        if back > limit:
+            rejected(cache, lambda back=back: cache.rollback(back), CacheError, r"n: expected an int in \[0, ")
+        cache.rollback(n)
+        tokens = tokens[:, : tokens.shape[1] - n]
+        assert cache.position == tokens.shape[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import EXACT, TOL64, build, make_cache, property_configs, rejected
 
-from labcode.caches import CacheError, ConcatCache, WindowCache
+from labcode.caches import CacheError, ConcatCache, SlidingWindowCache, WindowCache
 from labcode.engines import QuantizedCache
 from labcode.generate import generate, generate_nocache
 from labcode.speculative import (
@@ -135,7 +135,8 @@ def test_bad_requests_are_refused_before_anything_runs():
     rejected(cache, lambda: speculative_generate(model, ids, 5, cache, "draft"), ValueError, r"draft: expected")
     window = WindowCache(model.cfg.n_layers, 10)  # 7 + 5 - 1 positions would make it drop, then refuse rollbacks
     rejected(window, lambda: speculative_generate(model, ids, 5, window, PromptLookupDraft()), CacheError,
-             r"cache: expected a cache that keeps the 11 positions this run may roll back, got WindowCache keeping 10")
+             r"cache: expected a cache that keeps the 11 positions this run may roll back \(or a rollback reserve "
+             r"of k = 4\), got WindowCache keeping 10")
     small = WindowCache(model.cfg.n_layers, 20)
     rejected(small, lambda: speculative_generate(model, ids, 5, small, PromptLookupDraft(), k=20), ValueError,
              r"k: expected at most 19")
@@ -193,3 +194,20 @@ def test_sampled_speculation_keeps_the_target_s_distribution():
     stat, df = chi2_statistic(counts, marginal)
     assert stat < chi2_critical(df, 1e-3), (stat, df)
 
+
+
+def test_greedy_speculation_runs_past_the_window_on_a_sliding_cache_with_a_reserve():
+    """A sliding-window model (W = 5) and a cache that trims to W - 1 rows plus a reserve of k: 30 tokens, far past
+    the window, are greedy decoding's; without the reserve the run is refused before it starts."""
+    model = build(CONFIGS[1].with_(sliding_window=5), 4, scale=0.5)
+    ids = PROMPTS[1]
+    ref = generate_nocache(model, ids, 30)
+    drafts = [PromptLookupDraft(), ModelDraft(first_layers(model, 1), SlidingWindowCache(1, 5, reserve=3))]
+    for draft in drafts:
+        cache = SlidingWindowCache(model.cfg.n_layers, 5, reserve=3)
+        out = speculative_generate(model, ids, 30, cache, draft, k=3)
+        assert torch.equal(out.ids, ref.ids) and cache.total_dropped > 0 and sum(out.drafted) > sum(out.accepted)
+        assert max((a - b).abs().max().item() for a, b in zip(out.step_logits, ref.step_logits, strict=True)) <= TOL64
+    bare = SlidingWindowCache(model.cfg.n_layers, 5)
+    rejected(bare, lambda: speculative_generate(model, ids, 30, bare, PromptLookupDraft(), k=3), CacheError,
+             r"cache: expected a cache that keeps the 36 positions")

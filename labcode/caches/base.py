@@ -227,6 +227,7 @@ class KVCache:
 
     # -- going back (the chapter on rollback, to come) ---------------------------------
     keeps: int | None = None  # positions held before the cache starts dropping (None: it never drops)
+    rollback_reserve: int = 0  # positions a cache that drops can still roll back after dropping
 
     def rollback_limit(self) -> int:
         """The largest n `rollback(n)` accepts now: every committed position, unless the cache dropped
