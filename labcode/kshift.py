@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from labcode.caches.concat import ConcatCache
 from labcode.checks import fail, is_int
 from labcode.model import rotate
 
@@ -26,10 +27,33 @@ def shift_keys(k: torch.Tensor, delta: int, base: float) -> torch.Tensor:
 
 
 def context_shift(pairs: list[tuple[torch.Tensor, torch.Tensor]], n_drop: int,
-                  base: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Drop the oldest `n_drop` positions of every layer's (K, V) [B, Hkv, S, D] and move the
-    kept keys to positions 0..S-n_drop-1. Returns new pairs; the pairs passed in are not modified."""
+                  base: float, n_keep: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keep the first `n_keep` positions of every layer's (K, V) [B, Hkv, S, D], drop the next `n_drop`,
+    and move the later keys down by `n_drop` (llama.cpp's `seq_rm` then `seq_add`). Returns new pairs;
+    the pairs passed in are not modified."""
     s = pairs[0][0].shape[2]
-    if not (is_int(n_drop) and 0 <= n_drop < s):
-        fail("n_drop", f"an integer with 0 <= n_drop < cached length {s}", repr(n_drop))
-    return [(shift_keys(k[:, :, n_drop:], -n_drop, base), v[:, :, n_drop:]) for k, v in pairs]
+    if not (is_int(n_keep) and 0 <= n_keep < s):
+        fail("n_keep", f"an integer with 0 <= n_keep < cached length {s}", repr(n_keep))
+    if not (is_int(n_drop) and 0 <= n_drop < s - n_keep):
+        kept = f" - n_keep {n_keep}" if n_keep else ""
+        fail("n_drop", f"an integer with 0 <= n_drop < cached length {s}{kept}", repr(n_drop))
+    rest = n_keep + n_drop
+    return [(torch.cat((k[:, :, :n_keep], shift_keys(k[:, :, rest:], -n_drop, base)), dim=2),
+             torch.cat((v[:, :, :n_keep], v[:, :, rest:]), dim=2)) for k, v in pairs]
+
+
+class DropInPlace(ConcatCache):
+    """A full cache that, once `hide` is set, hides positions n_keep .. n_keep + n_drop - 1 from every later
+    query: the drop of a context shift without renumbering anything (the keys keep their positions)."""
+
+    def __init__(self, n_layers: int, n_drop: int, n_keep: int = 0) -> None:
+        super().__init__(n_layers)
+        self.n_drop, self.n_keep, self.hide = n_drop, n_keep, False
+
+    def mask(self, layer: int, t_new: int) -> torch.Tensor | None:
+        m = super().mask(layer, t_new)
+        if not self.hide:
+            return m
+        m = torch.ones(t_new, self.length(layer), dtype=torch.bool) if m is None else m.clone()  # (T, S)
+        m[:, self.n_keep : self.n_keep + self.n_drop] = False
+        return m

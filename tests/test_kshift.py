@@ -71,3 +71,28 @@ KEYS = torch.zeros(1, 1, 2, 4)
 def test_bad_arguments_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_context_shift_with_kept_first_positions_is_not_the_drop_in_place():
+    """llama.cpp keeps n_keep positions in front: the shift then moves later queries closer to them, so
+    it equals the drop in place only when nothing is kept (with rotary positions only distances count)."""
+    from labcode.kshift import DropInPlace
+
+    cfg = GPTConfig(vocab_size=13, context_length=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, rotary=True)
+    model = build(cfg, seed=4, scale=0.5)
+    ids = torch.randint(0, cfg.vocab_size, (1, 14), generator=torch.Generator().manual_seed(5))
+    nxt = ids[:, -1:]
+    gaps = {}
+    with torch.no_grad():
+        for n_keep in (0, 3):
+            _, pairs = model(ids, None, return_cache=True)
+            shifted = context_shift(pairs, 4, cfg.rope_base, n_keep=n_keep)
+            assert shifted[0][0].shape[2] == 14 - 4
+            assert torch.equal(shifted[0][0][:, :, :n_keep], pairs[0][0][:, :, :n_keep])  # kept keys untouched
+            in_place = DropInPlace(cfg.n_layers, 4, n_keep)
+            model(ids, in_place)
+            in_place.hide = True
+            gaps[n_keep] = (model(nxt, shifted, return_cache=True)[0] - model(nxt, in_place)).abs().max().item()
+    assert gaps[0] <= TOL64 < 1e-6 < gaps[3], gaps
+    with pytest.raises(ValueError, match=r"n_drop: expected an integer with 0 <= n_drop < cached length 14 - n_keep 3"):
+        context_shift(pairs, 11, cfg.rope_base, n_keep=3)
