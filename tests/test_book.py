@@ -243,14 +243,14 @@ def test_intro_and_glossary_link_every_chapter_in_the_book(book_html):
         assert intro.find("a", href="../qa/verdicts.html"), "the introduction does not link the verification report"
 
 
-def test_notebook_pages_offer_binder_colab_and_download(book_html):
+def test_notebook_pages_offer_a_download_and_no_launch_link(book_html):
+    """Each notebook page links its own .ipynb for download, and none links Binder or Colab: the launch
+    buttons were removed because a chapter opened there fails on its first import of `labcode`."""
     chapters = [f for f in toc_files() if f.startswith(("notebooks/", "qa/"))]
     if not chapters:
         pytest.skip("no notebook pages in _toc.yml yet")
-    repo = "kv-cache-verified/kv-cache-verified"
     for f in chapters:
         soup = _soup(book_html / f"{f}.html")
         hrefs = [a["href"] for a in soup.find_all("a", href=True)]
-        assert f"https://mybinder.org/v2/gh/{repo}/main?urlpath=lab/tree/{f}.ipynb" in hrefs, f
-        assert f"https://colab.research.google.com/github/{repo}/blob/main/{f}.ipynb" in hrefs, f
+        assert not [h for h in hrefs if "mybinder.org" in h or "colab.research.google.com" in h], f
         assert any(h.endswith(f"_sources/{f}.ipynb") for h in hrefs), f"{f}: no download link for the notebook"
