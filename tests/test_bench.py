@@ -148,7 +148,8 @@ def test_every_figure_is_written(bench_run):
 def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
     import matplotlib.pyplot as plt
 
-    from labcode.bench.plots import PLOTS, STYLE, WIDTH
+    from labcode.bench.plots import PLOTS
+    from labcode.plotting import COLUMN_INCHES, MIN_TEXT_PT, drawn_texts
 
     values = bench_run[0]["values"]
     for name in ("roofline", "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
@@ -156,11 +157,9 @@ def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
         fig = PLOTS[name](values)
         try:
             fig.canvas.draw()  # tick labels get their text when drawn
-            assert fig.get_figwidth() <= WIDTH, name
+            assert fig.get_figwidth() <= COLUMN_INCHES, name
             assert fig.patch.get_alpha() == 0 or fig.get_facecolor()[3] == 0, name  # transparent background
-            texts = [t for ax in fig.axes for t in (ax.xaxis.get_ticklabels() + ax.yaxis.get_ticklabels()
-                                                    + [ax.xaxis.label, ax.yaxis.label, ax.title])]
-            assert min(t.get_fontsize() for t in texts if t.get_text()) >= 9, name
+            assert min(t.get_fontsize() for t in drawn_texts(fig)) >= MIN_TEXT_PT, name  # legible on a phone
             labels = [t.get_text() for ax in fig.axes for t in ax.xaxis.get_ticklabels() + ax.yaxis.get_ticklabels()]
             assert labels and not any("$" in t or "^" in t or "×" in t for t in labels), name  # no "2.4x10^0"
             for ax in fig.axes:
@@ -168,7 +167,6 @@ def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
                            ) <= 6, name  # a handful of labelled series per panel
         finally:
             plt.close(fig)
-    assert STYLE["savefig.transparent"] is True
 
 
 def test_every_appender_stores_the_same_keys():

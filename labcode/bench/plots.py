@@ -12,6 +12,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from labcode.plotting import COLOURS, COLUMN_INCHES, INK, figure
 
 US, MS = 1e6, 1e3
 LABELS = {  # every contender of the append and generation benchmarks
@@ -27,6 +31,16 @@ LABELS = {  # every contender of the append and generation benchmarks
     "fused_slice": "one copy_ for all layers",
     "naive": "state inside the model (use_cache=True)",
     "explicit": "explicit (K, V) pairs (return_cache=True)",
+}
+SHORT_LABELS = {  # the same, short enough for a bar chart's labels on a phone
+    "cat": "ConcatCache",
+    "slice": "WindowCache",
+    "ring": "RingCache",
+    "grow_linear": "Growable, linear",
+    "grow_double": "Growable, doubling",
+    "bare_cat": "bare torch.cat",
+    "bare_slice": "bare copy_",
+    "fused_slice": "one copy_, all layers",
 }
 VARIANT_COLORS = ("tab:orange", "tab:green", "tab:purple", "tab:brown")  # the floor plot's variants, in order
 
@@ -129,26 +143,18 @@ def plot_floor(values: dict, target: float = 1.3) -> Figure:
     return fig
 
 
-# -- figures for the chapter: the column's width, readable type, few series, honest axes, no background -----------
+# -- figures for the chapter, drawn through labcode.plotting: the column's width, its type (13 pt and up), its six
+# colours, few series per panel, honest axes, no background. Panels stack: a phone's column is narrow. -----------
 
-WIDTH = 7.0  # inches: the book's text column
-INK = "#777777"  # text, axes and ticks: readable on a white page and on a dark one
-STYLE = {
-    "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9, "ytick.labelsize": 9,
-    "legend.fontsize": 9, "legend.frameon": False, "text.color": INK, "axes.labelcolor": INK,
-    "axes.edgecolor": INK, "xtick.color": INK, "ytick.color": INK, "axes.titlecolor": INK,
-    "figure.facecolor": "none", "axes.facecolor": "none", "savefig.transparent": True,
-    "axes.spines.top": False, "axes.spines.right": False, "grid.color": INK, "grid.alpha": 0.25,
-    "lines.linewidth": 1.6, "lines.markersize": 5,
-    "figure.constrained_layout.use": False,  # these figures lay themselves out (tight_layout), whatever else is set
-}
-PRESET_COLORS = {"gpt2-124m": "tab:blue", "small": "tab:orange", "tiny": "tab:green", "micro": "tab:purple"}
+WIDTH = COLUMN_INCHES  # inches: the book's text column
+PRESET_COLORS = {"gpt2-124m": COLOURS[0], "small": COLOURS[1], "tiny": COLOURS[2], "micro": COLOURS[3]}
 KIND_MARKERS = {"prefill": "o", "decode": "s", "uncached": "^"}
-SERIES = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+SERIES = COLOURS[:5]
+TARGET = COLOURS[1]  # a target's line
 
 
-def _plain(ax: Axes, axis: str = "both", base: float = 10) -> None:
-    """Log axes labelled with plain numbers (1, 2, 5, 10 or 1, 2, 4, 8), never "2.4x10^0".
+def _plain(ax: Axes, axis: str = "both", base: float = 10, most: int = 12) -> None:
+    """Log axes labelled with plain numbers (1, 2, 5, 10 or 1, 2, 4, 8), never "2.4x10^0", at most `most` ticks.
 
     Call after plotting: an axis spanning two decades or less also gets ticks at 2 and 5.
     """
@@ -162,35 +168,28 @@ def _plain(ax: Axes, axis: str = "both", base: float = 10) -> None:
         lo, hi = sorted(getattr(ax, f"get_{name}lim")())
         decades = math.log10(hi / lo) if lo > 0 else 99
         subs = (1.0, 2.0, 5.0) if base == 10 and decades <= 2 else (1.0,)
-        a.set_major_locator(LogLocator(base=base, subs=subs, numticks=12))
+        a.set_major_locator(LogLocator(base=base, subs=subs, numticks=most))
         a.set_major_formatter(fmt)
         a.set_minor_formatter(NullFormatter())
-
-
-def _styled(draw):
-    """Run a figure function under the chapter's style."""
-    from functools import wraps
-
-    @wraps(draw)
-    def wrapper(values: dict) -> Figure:
-        with plt.rc_context(STYLE):
-            fig = draw(values)
-            fig.tight_layout()
-        return fig
-
-    return wrapper
 
 
 def _f(x) -> float:
     return float(x)  # JSON stores infinity as the string "inf"
 
 
-@_styled
+def _points_key(ax: Axes, presets, loc: str, **legend) -> None:
+    """The legend of a scatter by preset (colour) and kind of call (marker)."""
+    handles = [Line2D([], [], color=c, marker="o", ls="none", label=name)
+               for name, c in PRESET_COLORS.items() if name in presets]
+    handles += [Line2D([], [], color=INK, marker=mk, ls="none", label=kind) for kind, mk in KIND_MARKERS.items()]
+    ax.legend(handles=handles, loc=loc, ncol=2, **legend)
+
+
 def plot_roofline(values: dict) -> Figure:
     """The roofline: achieved FLOP/s against arithmetic intensity, every timed call of every preset on it."""
     m = values["roofline_machine"]["wall"]
     peak, bw = m["peak_flops_per_s"], m["bandwidth_bytes_per_s"]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.6))
+    fig, ax = figure(height=4.2)
     pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
     lo = min(p["intensity"] for _, p in pts) / 2
     hi = max(max(p["intensity"] for _, p in pts) * 2, 4 * peak / bw)
@@ -198,22 +197,18 @@ def plot_roofline(values: dict) -> Figure:
     ax.plot(xs, [min(peak, bw * x) / 1e9 for x in xs], color=INK, lw=2)
     for preset, p in pts:
         ax.plot(p["intensity"], p["flops"] / p["step_s"] / 1e9, KIND_MARKERS[p["kind"]], color=PRESET_COLORS.get(
-            preset, "tab:red"), mfc="none" if p["predicted"]["bound"] == "overhead" else None, ms=6)
-    handles = [plt.Line2D([], [], color=c, marker="o", ls="none", label=name)
-               for name, c in PRESET_COLORS.items() if name in values["roofline"]]
-    handles += [plt.Line2D([], [], color=INK, marker=mk, ls="none", label=kind) for kind, mk in KIND_MARKERS.items()]
-    ax.legend(handles=handles, loc="lower right", ncol=2, title="open: overhead-bound")
+            preset, COLOURS[5]), mfc="none" if p["predicted"]["bound"] == "overhead" else None, ms=6)
+    _points_key(ax, values["roofline"], "lower right", title="open: overhead-bound")
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per byte)", ylabel="GFLOP/s achieved",
-           title=f"peak {peak / 1e9:.3g} GFLOP/s, bandwidth {bw / 1e9:.3g} GB/s (measured)")
-    _plain(ax)
+           title=f"peak {peak / 1e9:.3g} GFLOP/s, bandwidth {bw / 1e9:.3g} GB/s")
+    _plain(ax, most=7)
     ax.grid(True, which="major")
     return fig
 
 
-@_styled
 def plot_roofline_fit(values: dict, tolerance: float = 1.5) -> Figure:
     """Measured seconds against the roofline's prediction for every timed call, with the target's band."""
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.6))
+    fig, ax = figure(height=4.2)
     pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
     lo = min(min(p["step_s"], p["predicted"]["seconds"]) for _, p in pts) * 1e3 / 2
     hi = max(max(p["step_s"], p["predicted"]["seconds"]) for _, p in pts) * 1e3 * 2
@@ -222,47 +217,42 @@ def plot_roofline_fit(values: dict, tolerance: float = 1.5) -> Figure:
     ax.plot([lo, hi], [lo, hi], color=INK, lw=1)
     for preset, p in pts:
         ax.plot(p["predicted"]["seconds"] * 1e3, p["step_s"] * 1e3, KIND_MARKERS[p["kind"]],
-                color=PRESET_COLORS.get(preset, "tab:red"), ms=6)
-    handles = [plt.Line2D([], [], color=c, marker="o", ls="none", label=name)
-               for name, c in PRESET_COLORS.items() if name in values["roofline"]]
-    handles += [plt.Line2D([], [], color=INK, marker=mk, ls="none", label=kind) for kind, mk in KIND_MARKERS.items()]
-    ax.legend(handles=handles, loc="upper left", ncol=2)
+                color=PRESET_COLORS.get(preset, COLOURS[5]), ms=6)
+    _points_key(ax, values["roofline"], "upper left")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="predicted ms per call",
            ylabel="measured ms per call")
-    _plain(ax)
+    _plain(ax, most=7)
     ax.grid(True, which="major")
     return fig
 
 
-@_styled
 def plot_batch(values: dict) -> Figure:
-    """Decode tokens per second against the batch size, measured (points) and predicted (lines), per preset."""
+    """Decode tokens per second against the batch size, measured (points) and predicted (lines), one panel per
+    preset, stacked."""
     runs = values["batch"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(WIDTH, 3.0), squeeze=False)
-    for ax, (preset, res) in zip(axes[0], runs.items(), strict=True):
+    fig, axes = figure(len(runs), 1, height=2.3 * len(runs) + 0.6, sharex=True, squeeze=False)
+    for ax, (preset, res) in zip(axes[:, 0], runs.items(), strict=True):
         for run, color in zip(res["runs"], SERIES, strict=False):
             b = run["batch"]
-            ax.plot(b, run["tokens_per_s"], "o-", color=color, lw=0, label=f"S = {run['s_cached']}")
+            ax.plot(b, run["tokens_per_s"], "o", color=color, label=f"S = {run['s_cached']}")
             ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color)
             crit = _f(run["critical_batch"])
             if b[0] <= crit <= b[-1]:
-                ax.axvline(crit, color=color, ls=":", lw=1)
-        ax.set(xscale="log", yscale="log", xlabel="batch size B", title=preset)
+                ax.axvline(crit, color=color, ls=":", lw=1.2)
+        ax.set(xscale="log", yscale="log", ylabel="tokens / s", title=preset)
         _plain(ax, "x", base=2)
-        _plain(ax, "y")
+        _plain(ax, "y", most=5)
         ax.grid(True, which="major")
-        # each panel has its own cached lengths: a legend under each, clear of the data
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=8, ncol=2)
-    axes[0][0].set_ylabel("tokens per second")
+        ax.legend(loc="upper left")  # each panel has its own cached lengths
+    axes[-1][0].set_xlabel("batch size B")
     return fig
 
 
-@_styled
 def plot_critical_batch(values: dict, preset: str | None = None) -> Figure:
     """The batch from which a decode step is compute-bound, against the cached length, for MHA, GQA and MQA."""
     preset = preset or next(reversed(values["batch"]))
     curve = values["batch"][preset]["curve"]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    fig, ax = figure(height=3.8)
     h = values["batch"][preset]["preset_config"]["n_heads"]
     for (hkv, c), color in zip(curve["n_kv_heads"].items(), SERIES, strict=False):
         name = "MHA" if int(hkv) == h else ("MQA" if int(hkv) == 1 else "GQA")
@@ -271,102 +261,102 @@ def plot_critical_batch(values: dict, preset: str | None = None) -> Figure:
                 label=f"{name}, Hkv = {hkv}")
         limit = _f(c["context_limit"])
         if limit < curve["contexts"][-1]:
-            ax.axvline(limit, color=color, ls=":", lw=1)
+            ax.axvline(limit, color=color, ls=":", lw=1.2)
     ax.axhline(_f(curve["weights_critical_batch"]), color=INK, ls="--", lw=1, label="weights alone")
-    ax.set(yscale="log", xlabel="cached length S", ylabel="batch for compute-bound decode",
-           title=f"{preset}; dotted: beyond this S no batch is compute-bound")
+    ax.set(yscale="log", xlabel="cached length S", ylabel="compute-bound from B",
+           title=f"{preset}; dotted: no batch is compute-bound beyond")
     _plain(ax, "y")
+    ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.grid(True, which="major")
     ax.legend(loc="upper left")
     return fig
 
 
-@_styled
 def plot_concurrency(values: dict) -> Figure:
-    """Sequences that fit in the memory budget against their length: layouts (left) and formats (right)."""
+    """Sequences that fit in the memory budget against their length: layouts (top) and formats (bottom)."""
     sw = values["memory"]["sweep"]
     n = sw["lengths"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.0), sharey=True)
+    fig, (top, bottom) = figure(2, 1, height=5.6, sharex=True, sharey=True)
     for layout, color in zip(("MHA", "GQA", "MQA"), SERIES, strict=False):
-        left.plot(n, sw["paged"][f"{layout}/float32"], color=color, label=f"{layout}, paged")
-    left.axhline(sw["plain"]["MHA/float32"], color=SERIES[0], ls="--", lw=1, label="MHA, plain")
+        top.plot(n, sw["paged"][f"{layout}/float32"], color=color, label=f"{layout}, paged")
+    top.axhline(sw["plain"]["MHA/float32"], color=SERIES[0], ls="--", lw=1.2, label="MHA, plain")
     for fmt, color in zip(("float32", "bfloat16", "int8"), SERIES, strict=False):
-        right.plot(n, sw["paged"][f"MHA/{fmt}"], color=color, label=f"{fmt}, paged")
-    right.axhline(sw["plain"]["MHA/int8"], color=SERIES[2], ls="--", lw=1, label="int8, plain")
-    left.set(yscale="log", xlabel="tokens per sequence", ylabel="sequences that fit", title="float32")
-    right.set(yscale="log", xlabel="tokens per sequence", title="MHA")
-    for ax in (left, right):
+        bottom.plot(n, sw["paged"][f"MHA/{fmt}"], color=color, label=f"{fmt}, paged")
+    bottom.axhline(sw["plain"]["MHA/int8"], color=SERIES[2], ls="--", lw=1.2, label="int8, plain")
+    top.set(yscale="log", ylabel="sequences", title="float32, by layout")
+    bottom.set(yscale="log", xlabel="tokens per sequence", ylabel="sequences", title="MHA, by format")
+    for ax in (top, bottom):
         _plain(ax, "y")
         ax.grid(True, which="major")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="upper right", ncol=2)
     return fig
 
 
-@_styled
 def plot_floor_ops(values: dict) -> Figure:
     """Bandwidth each kind of operation of a decode step achieves, the model's and the lean step's."""
     ops = values["floor_ops"]
     names = [k for k in ("q/k/v projections", "output projection", "MLP up", "MLP down", "head", "attention")
              if k in ops["model"]["operations"]]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    short = {"q/k/v projections": "q/k/v proj.", "output projection": "output proj."}
+    fig, ax = figure(height=4.2)
     ys = range(len(names))
     for i, (key, label, color) in enumerate((("model", "the model", SERIES[0]), ("lean", "lean step", SERIES[1]))):
         rows = ops[key]["operations"]
         ax.barh([y + 0.4 * i for y in ys], [rows[k]["bytes_per_s"] / 1e9 for k in names], 0.4, color=color,
                 label=label)
     ax.axvline(ops["bandwidth"]["wall"] / 1e9, color=INK, ls="--", label="streaming bandwidth")
-    ax.set_yticks([y + 0.2 for y in ys], names)
+    ax.set_yticks([y + 0.2 for y in ys], [short.get(k, k) for k in names])
     ax.invert_yaxis()
+    ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.set(xlabel="GB/s achieved", title=f"{ops['preset']} decode step at position {ops['model']['position']}")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3)  # below the axes: no bar hidden
+    fig.legend(loc="outside lower center", ncol=2)  # below the axes: no bar hidden
     return fig
 
 
-@_styled
 def plot_window_vs_concat(values: dict) -> Figure:
     """Decode step time with the window cache and the concatenating cache against the cached length (median, IQR)."""
     wc = values["window_vs_concat"]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    fig, ax = figure(height=3.4)
     for name, label, color in (("window", "WindowCache (slice write)", SERIES[0]),
                                ("cat", "ConcatCache (torch.cat)", SERIES[1])):
         ax.plot(wc["keys"], [t * 1e3 for t in wc[f"{name}_s"]], "o-", color=color, label=label)
         ax.fill_between(wc["keys"], [q[0] * 1e3 for q in wc[f"{name}_q"]], [q[1] * 1e3 for q in wc[f"{name}_q"]],
                         color=color, alpha=0.2, lw=0)
     ax.set(xlabel="keys attended to", ylabel="ms per decode step", ylim=(0, None))
+    ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.grid(True)
     ax.legend(loc="lower right")
     return fig
 
 
-@_styled
 def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
     """Decode step time over the bandwidth floor against the position: the model, the lean step, products only."""
     res = values["floor"]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    fig, ax = figure(height=3.8)
     ax.plot(res["positions"], res["ratio"], "o-", color=SERIES[0], label="the model")
     for (name, label), color in zip((("products only", "its tensor operations only"), ("lean", "lean step")),
-                                    SERIES[1:], strict=False):
+                                    SERIES[2:], strict=False):
         if name in res.get("variants", {}):
             ax.plot(res["positions"], res["variants"][name]["ratio"], "s-", color=color, label=label)
-    ax.axhline(target, color="tab:red", ls="--", lw=1, label=f"target {target}x")
+    ax.axhline(target, color=TARGET, ls="--", lw=1.2, label=f"target {target}x")
     ax.axhline(1.0, color=INK, lw=1)
     ax.set(xlabel="position of the new token", ylabel="step time / floor", ylim=(0.9, None))
+    ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.grid(True)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)  # below the axes: no line hidden
+    fig.legend(loc="outside lower center", ncol=2)  # below the axes: no line hidden
     return fig
 
 
-@_styled
 def plot_rows(values: dict) -> Figure:
     """FLOP/s of products with R rows through one weight, against the roofline at their intensity: the soft ridge."""
     mach = values["roofline_machine"]
     rows = mach["rows"]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.0))
+    fig, ax = figure(height=4.4)
     r = [x["rows"] for x in rows]
     for clock, key, color, label in (("wall", "flops_per_s", SERIES[0], "wall clock"),
-                                     ("cpu", "cpu_flops_per_s", SERIES[1], "process CPU time")):
+                                     ("cpu", "cpu_flops_per_s", SERIES[1], "CPU time")):
         peak, bw = mach[clock]["peak_flops_per_s"], mach[clock]["bandwidth_bytes_per_s"]
-        ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=color, lw=1,
+        ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=color, lw=1.2,
                 label=f"roofline, {label}")
         ax.plot(r, [x[key] / 1e9 for x in rows], "o", color=color, label=f"measured, {label}")
     from labcode.bench.roofline import machine_of  # imports torch: only this figure needs it
@@ -374,79 +364,78 @@ def plot_rows(values: dict) -> Figure:
     wall = machine_of(mach)
     if wall.row_ceilings:  # what the model allows such a product: its ceiling peak(R), or the bandwidth
         model = [min(wall.peak_for(x["rows"]), wall.bandwidth_bytes_per_s * x["intensity"]) / 1e9 for x in rows]
-        ax.plot(r, model, "--", color=INK, lw=1.2, label="the model, wall clock")
+        ax.plot(r, model, "--", color=INK, lw=1.4, label="the model, wall clock")
     ax.set(xscale="log", yscale="log", xlabel="rows R multiplied by the weight", ylabel="GFLOP/s")
     _plain(ax, "x", base=2)
     _plain(ax, "y")
     ax.grid(True, which="major")
-    ax.legend(loc="lower right")
+    fig.legend(loc="outside lower center", ncol=2)
     return fig
 
 
-@_styled
 def plot_overhead_crossover(values: dict) -> Figure:
     """A batch-1 decode step's predicted time for bytes (solid) and for its operations' fixed cost (dashed), against
     the model width, per preset: the fixed cost dominates left of the crossing. Each preset's own width is marked."""
     cross = values["roofline_summary"]["crossover"]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.2))
+    fig, ax = figure(height=4.4)
     for (preset, c), color in zip(cross.items(), SERIES, strict=False):
         color = PRESET_COLORS.get(preset, color)
         widths = [r["d_model"] for r in c["widths"]]
         ax.plot(widths, [r["t_parts"] * 1e3 for r in c["widths"]], "-", color=color, label=f"{preset}: bytes")
-        ax.plot(widths, [r["t_overhead"] * 1e3 for r in c["widths"]], "--", color=color, lw=1.2,
+        ax.plot(widths, [r["t_overhead"] * 1e3 for r in c["widths"]], "--", color=color, lw=1.4,
                 label=f"{preset}: operations")
         own = values["roofline"].get(preset, {}).get("config", {}).get("d_model")
         mine = [r for r in c["widths"] if r["d_model"] == own]
         if mine:
             ax.plot(own, mine[0]["t_parts"] * 1e3, "o", color=color, ms=7)
     ax.set(xscale="log", yscale="log", xlabel="model width C (dots: the preset's own)", ylabel="ms per decode step")
-    _plain(ax, "x", base=2)
+    _plain(ax, "x", base=2, most=7)
     _plain(ax, "y")
     ax.grid(True, which="major")
-    ax.legend(loc="upper left", ncol=2, fontsize=8)
+    fig.legend(loc="outside lower center", ncol=2)
     return fig
 
 
-@_styled
 def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
     """Latency (ms per decode step, what each sequence waits per token) against throughput (tokens per second for the
     whole batch), measured (points, labelled with the batch size) and predicted (lines), for each cached length."""
     preset = preset or next(reversed(values["batch"]))
     runs = values["batch"][preset]["runs"]
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.4))
-    for run, color in zip(runs, SERIES, strict=False):
+    fig, ax = figure(height=4.6)
+    for i, (run, color) in enumerate(zip(runs, SERIES, strict=False)):
         pred = run["predicted"]
         ax.plot(pred["tokens_per_s"], [t * 1e3 for t in pred["step_s"]], "-", color=color,
                 label=f"S = {run['s_cached']}, predicted")
         ax.plot(run["tokens_per_s"], [t * 1e3 for t in run["step_s"]], "o", color=color,
                 label=f"S = {run['s_cached']}, measured")
+        offset = (-6, 6) if i == 0 else (6, -6)  # the two lengths' labels on either side of their points
+        align = {"ha": "right", "va": "bottom"} if i == 0 else {"ha": "left", "va": "top"}
         for b, x, t in zip(run["batch"], run["tokens_per_s"], run["step_s"], strict=True):
-            ax.annotate(f"B={b}", (x, t * 1e3), textcoords="offset points", xytext=(4, 4), fontsize=9, color=color)
+            ax.annotate(f"{b}", (x, t * 1e3), textcoords="offset points", xytext=offset, color=color, **align)
     ax.set(xscale="log", yscale="log", xlabel="throughput: tokens per second, whole batch",
-           ylabel="latency: ms per step", title=preset)
-    _plain(ax)
+           ylabel="latency: ms per step", title=f"{preset}; numbers: batch size B")
+    _plain(ax, most=7)
     ax.grid(True, which="major")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, ncol=2)  # below: no label hidden
+    fig.legend(loc="outside lower center", ncol=2)  # below: no label hidden
     return fig
 
 
-@_styled
 def plot_append_medians(values: dict) -> Figure:
     """Median µs to append one position to every layer, for each cache and bare operation, at the two cache lengths."""
     runs = values["append"]
     kinds = list(next(iter(runs.values()))["median_step_s"])
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.6))
+    fig, ax = figure(height=5.4)
     height = 0.8 / len(runs)
     for i, (run, color) in enumerate(zip(runs.values(), SERIES, strict=False)):
         ax.barh([k + i * height for k in range(len(kinds))], [run["median_step_s"][k] * US for k in kinds], height,
                 color=color, label=f"{run['setup']['prefill']:,} positions cached")
     ax.set_yticks([k + height * (len(runs) - 1) / 2 for k in range(len(kinds))],
-                  [LABELS.get(k, k) for k in kinds])
+                  [SHORT_LABELS.get(k, LABELS.get(k, k)) for k in kinds])
     ax.invert_yaxis()
     ax.set(xscale="log", xlabel="µs per decode step, all layers (median)")
     _plain(ax, "x")
     ax.grid(True, which="major", axis="x")
-    ax.legend(loc="lower right")
+    fig.legend(loc="outside lower center", ncol=2)
     return fig
 
 
