@@ -17,7 +17,31 @@ ALPHABET = "\n !'(),-.:;?" + string.ascii_uppercase + string.ascii_lowercase
 assert len(ALPHABET) == 64, len(ALPHABET)
 
 
-class CharTokenizer:
+class Tokenizer:
+    """What every tokenizer of the course shares: ids as the [1, T] tensor the model takes, and the check
+    that ids to decode are in the vocabulary. Subclasses give `vocab_size`, `encode` and `decode`."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_tensor(self, text: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Text to a [1, T] LongTensor, the shape the model takes."""
+        return torch.tensor([self.encode(text)], dtype=torch.long, device=device)
+
+    def ids_in_vocabulary(self, ids) -> list[int]:
+        """A sequence (or 1-D tensor) of ids as a list; ValueError naming the first id outside the
+        vocabulary (a negative one would otherwise index from the end and decode silently)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            fail("ids", f"values in [0, {self.vocab_size})", repr(bad[0]))
+        return list(ids)
+
+
+class CharTokenizer(Tokenizer):
     """Maps each character of `ALPHABET` to its index, and back."""
 
     def __init__(self, alphabet: str = ALPHABET) -> None:
@@ -35,25 +59,16 @@ class CharTokenizer:
             fail("text", "characters of the alphabet only", repr(bad[0]))
         return [self.stoi[ch] for ch in text]
 
-    def encode_tensor(self, text: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """Text to a [1, T] LongTensor, the shape the model takes."""
-        return torch.tensor([self.encode(text)], dtype=torch.long, device=device)
-
     def decode(self, ids) -> str:
         """A sequence (or 1-D tensor) of ids to text."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        bad = [i for i in ids if not 0 <= i < len(self.alphabet)]
-        if bad:  # a negative id would otherwise index from the end and decode silently
-            fail("ids", f"values in [0, {len(self.alphabet)})", repr(bad[0]))
-        return "".join(self.alphabet[i] for i in ids)
+        return "".join(self.alphabet[i] for i in self.ids_in_vocabulary(ids))
 
 
 # 3 is llama.cpp's CONTROL token type: <|im_start|> and the like, matched whole, never split.
 CONTROL = 3
 
 
-class BPETokenizer:
+class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2's scheme) as SmolLM2 uses it, on the `tokenizers` library, with its chat template.
 
     Text is split first into single digits (llama.cpp's `smollm` pre-tokenizer), then by GPT-2's
@@ -108,18 +123,9 @@ class BPETokenizer:
             fail("text", "a str", type(text).__name__)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_tensor(self, text: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """Text to a [1, T] LongTensor, the shape the model takes."""
-        return torch.tensor([self.encode(text)], dtype=torch.long, device=device)
-
     def decode(self, ids) -> str:
         """A sequence (or 1-D tensor) of ids to text, control tokens included."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            fail("ids", f"values in [0, {self.vocab_size})", repr(bad[0]))
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(self.ids_in_vocabulary(ids), skip_special_tokens=False)
 
     def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation, by the model's chat template (ChatML)."""

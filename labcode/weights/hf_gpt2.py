@@ -22,6 +22,7 @@ with warnings.catch_warnings():  # in a notebook without ipywidgets, transformer
 
 from labcode.config import GPTConfig
 from labcode.model import GPT
+from labcode.tokenizer import Tokenizer
 from labcode.weights.checkpoint import default_device
 
 # Both spell GPT-2's tanh approximation of GELU (the course's `nn.GELU(approximate="tanh")`):
@@ -182,7 +183,7 @@ def from_hf(hf_model: GPT2LMHeadModel) -> GPT:
 
 # -- real GPT-2 weights -----------------------------------------------------------------------------
 
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """A transformers tokenizer behind the interface of `labcode.tokenizer.CharTokenizer`."""
 
     def __init__(self, tokenizer) -> None:
@@ -196,18 +197,9 @@ class HFTokenizer:
         """Text to a list of ids (no special tokens added)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode_tensor(self, text: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """Text to a [1, T] LongTensor, the shape the model takes."""
-        return torch.tensor([self.encode(text)], dtype=torch.long, device=device)
-
     def decode(self, ids) -> str:
         """A sequence (or 1-D tensor) of ids to text; raises ValueError for an id outside the vocabulary."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids: expected values in [0, {self.vocab_size}), got {bad[0]!r}")
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(self.ids_in_vocabulary(ids))
 
 
 def read_pretrained(name: str, download: bool, dtype: torch.dtype,
