@@ -112,8 +112,35 @@ def markdown_cells(path: Path) -> list[tuple[int, str]]:
     return [(i, "".join(c["source"])) for i, c in enumerate(cells) if c["cell_type"] == "markdown"]
 
 
+def figure_captions(path: Path) -> list[tuple[int, str]]:
+    """The captions kept in code cells' metadata (`mystnb.figure.caption`): prose on the page, but
+    outside any markdown cell, so a number typed there cannot be glued. Phrase it without the number
+    or glue the figure and write the caption in markdown (CONTRIBUTING, "Chapter notebooks"). Alt
+    text is not checked: it reads out what the image shows, labels and ticks included."""
+    cells = json.loads(path.read_text())["cells"]
+    return [
+        (i, c["metadata"]["mystnb"]["figure"]["caption"])
+        for i, c in enumerate(cells)
+        if c["cell_type"] == "code" and c.get("metadata", {}).get("mystnb", {}).get("figure", {}).get("caption")
+    ]
+
+
 def test_there_are_chapters_to_check():
     assert len(CHAPTERS) >= 10
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_no_number_is_typed_into_a_figure_caption(path):
+    offenders = [
+        f"cell {i}: …{phrase}…" for i, caption in figure_captions(path) for phrase in typed_numbers(caption)
+    ]
+    assert not offenders, f"{path.name}: numbers typed into a figure's caption:\n" + "\n".join(offenders)
+
+
+def test_the_caption_check_reads_captions():
+    assert any(figure_captions(p) for p in CHAPTERS), "no chapter has a caption in its cells' metadata"
+    planted = {"cells": [{"cell_type": "code", "metadata": {"mystnb": {"figure": {"caption": "The 16 rows."}}}}]}
+    assert typed_numbers(planted["cells"][0]["metadata"]["mystnb"]["figure"]["caption"])
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
