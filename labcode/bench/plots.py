@@ -353,12 +353,16 @@ def plot_rows(values: dict) -> Figure:
     rows = mach["rows"]
     fig, ax = figure(height=4.4)
     r = [x["rows"] for x in rows]
-    for clock, key, color, label in (("wall", "flops_per_s", SERIES[0], "wall clock"),
-                                     ("cpu", "cpu_flops_per_s", SERIES[1], "CPU time")):
+    # One thread: CPU time and the wall clock often agree, so the CPU-time series is drawn so that it
+    # shows when it lies on the other (a wider dotted line, open markers around the filled ones).
+    for clock, key, color, label, line, lw, mfc, ms in (
+            ("wall", "flops_per_s", SERIES[0], "wall clock", "-", 1.4, None, 5),
+            ("cpu", "cpu_flops_per_s", SERIES[1], "CPU time", ":", 3.0, "none", 10)):
         peak, bw = mach[clock]["peak_flops_per_s"], mach[clock]["bandwidth_bytes_per_s"]
-        ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], "-", color=color, lw=1.2,
-                label=f"roofline, {label}")
-        ax.plot(r, [x[key] / 1e9 for x in rows], "o", color=color, label=f"measured, {label}")
+        ax.plot(r, [min(peak, bw * x["intensity"]) / 1e9 for x in rows], line, color=color, lw=lw,
+                label=f"roofline, {label}", zorder=2 if clock == "wall" else 1)
+        ax.plot(r, [x[key] / 1e9 for x in rows], "o", color=color, mfc=mfc, ms=ms, mew=1.6,
+                label=f"measured, {label}", zorder=3)
     from labcode.bench.roofline import machine_of  # imports torch: only this figure needs it
 
     wall = machine_of(mach)
