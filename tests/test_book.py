@@ -254,3 +254,31 @@ def test_notebook_pages_offer_a_download_and_no_launch_link(book_html):
         hrefs = [a["href"] for a in soup.find_all("a", href=True)]
         assert not [h for h in hrefs if "mybinder.org" in h or "colab.research.google.com" in h], f
         assert any(h.endswith(f"_sources/{f}.ipynb") for h in hrefs), f"{f}: no download link for the notebook"
+
+
+def test_every_chapter_says_how_long_it_takes_to_read(book_html):
+    """Each chapter page (notebooks/) carries, right under its title, the reading-time line that
+    book/_ext/kvcv_reading_time.py computes from the page's prose, and its minutes follow from its words
+    at the extension's pace; pages that are not chapters carry none."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvcv_reading_time", ROOT / "book" / "_ext" / "kvcv_reading_time.py")
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    chapters = [f for f in toc_files() if f.startswith("notebooks/")]
+    if not chapters:
+        pytest.skip("no chapters in _toc.yml yet")
+    for f in chapters:
+        article = _article(book_html / f"{f}.html")
+        lines = article.select("p.kvcv-reading-time")
+        assert len(lines) == 1, f"{f}: {len(lines)} reading-time lines"
+        heading = article.find("h1")
+        assert heading is not None and heading.find_next("p") is lines[0], f"{f}: the line is not under the title"
+        m = re.fullmatch(r"About (\d+) minutes to read \(([\d,]+) words of prose\)\.", lines[0].get_text(strip=True))
+        assert m, f"{f}: {lines[0].get_text()!r}"
+        minutes, words = int(m[1]), int(m[2].replace(",", ""))
+        assert words > 500, f"{f}: only {words} words counted: the count misses the prose"
+        assert lines[0].get_text(strip=True) == ext.reading_line(words)
+        assert minutes >= 1
+    for f in [f for f in toc_files() if not f.startswith("notebooks/")]:
+        assert not _article(book_html / f"{f}.html").select("p.kvcv-reading-time"), f"{f} is not a chapter"
