@@ -1211,3 +1211,22 @@ def test_explorer_step_buttons_never_leave_one_alone(page: Page, book_server):
         )
         assert sum(map(len, rows)) == 4 and all(len(r) >= 2 for r in rows), f"at {width} px the buttons sit {rows}"
         assert all(len(r) == len(rows[0]) for r in rows), f"at {width} px the rows are uneven: {rows}"
+
+
+def test_glued_values_read_as_part_of_their_sentence(browser, book_server):
+    """A value inserted with {glue:text} has its paragraph's weight, not myst-nb's bold (bold is for what
+    the reader must not miss, and the authors write it as **...** around the value)."""
+    doc = next((d for d in CHAPTERS if "07_counting" in d), None) or (CHAPTERS[0] if CHAPTERS else None)
+    if doc is None:
+        pytest.skip("no chapters in _toc.yml yet")
+    context = browser.new_context(viewport={"width": DESKTOP, "height": 900})
+    try:
+        page = context.new_page()
+        open_page(page, book_server, doc)
+        weights = page.evaluate("""() => [...document.querySelectorAll('article p span.pasted-text')]
+            .filter(s => !s.closest('strong, b, th, h1, h2, h3, h4'))
+            .map(s => [getComputedStyle(s).fontWeight, getComputedStyle(s.parentElement).fontWeight])""")
+        assert weights, f"{doc}: no glued value in a paragraph"
+        assert all(own == parent for own, parent in weights), f"{doc}: glued values set apart: {weights[:5]}"
+    finally:
+        context.close()
