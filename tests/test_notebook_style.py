@@ -49,3 +49,15 @@ def test_notebook_code_lines_fit_the_column(folder):
     assert out.returncode == 0 and not long_lines, (
         f"{len(long_lines)} code lines in {folder}/ are longer than {COLUMNS} characters:\n" + "\n".join(long_lines)
     )
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_a_chapter_opens_with_its_imports_folded(path):
+    """The setup cell (a chapter's first code cell: its imports) is folded on the page (`hide-input`: a
+    "show code" toggle) or removed, so that a chapter opens with its prose and pictures, not plumbing."""
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    first = next(c for c in cells if c["cell_type"] == "code")
+    tags = set(first.get("metadata", {}).get("tags", []))
+    assert tags & {"hide-input", "remove-input", "remove-cell"}, f"{path.name}: the setup cell is shown in full"
