@@ -65,6 +65,8 @@ run_qa qa/hf_caches.ipynb hf_caches.json
 run_qa qa/distributed.ipynb distributed.json
 run_qa qa/windows.ipynb windows.json
 run_qa qa/real_model.ipynb real_model.json
+run_qa qa/serving.ipynb serving.json
+run_qa qa/rollback.ipynb rollback.json
 # (tests/test_qa.py checks that every committed result has its line here.)
 if [ "$bench" = 1 ]; then
   echo "regenerating qa/results/bench.json (the benchmarks, several minutes)"
