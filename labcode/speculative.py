@@ -13,6 +13,7 @@ the target's first layers (`first_layers`, a self-speculative draft).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -132,14 +133,15 @@ class ModelDraft:
 
 def first_layers(model: nn.Module, n_layers: int) -> nn.Module:
     """The same model cut after its first `n_layers` blocks, then its final norm and head: a self-speculative
-    draft (early exit). It shares the target's modules and weights; nothing is copied."""
+    draft (early exit). It shares the target's modules and weights; nothing is copied or initialised."""
     if not (is_int(n_layers) and 0 < n_layers < model.cfg.n_layers):
         fail("n_layers", f"an int in [1, {model.cfg.n_layers})", n_layers)
-    with torch.device("meta"):  # built empty, then every module is the target's own
-        draft = type(model)(model.cfg.with_(n_layers=n_layers))
-    draft.tok_emb, draft.pos_emb, draft.drop, draft.ln_f = model.tok_emb, model.pos_emb, model.drop, model.ln_f
+    draft = copy.copy(model)  # a second object of the target's class, every attribute shared
+    for table in ("_modules", "_parameters", "_buffers"):  # its own tables: cutting its blocks leaves the target's
+        setattr(draft, table, dict(getattr(model, table)))
+    draft.cfg = model.cfg.with_(n_layers=n_layers)
     draft.blocks = nn.ModuleList(list(model.blocks)[:n_layers])
-    return draft.train(model.training)
+    return draft
 
 
 def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:

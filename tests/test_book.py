@@ -195,6 +195,11 @@ def test_bibliography_lists_every_reference(book_html):
         "copy-on-write",
         "online softmax",
         "quantised KV",
+        "continuous batching",
+        "radix tree",
+        "rollback",
+        "speculative decoding",
+        "beam search",
     ],
 )
 def test_glossary_defines_term(book_html, term):

@@ -125,6 +125,20 @@ def test_first_layers_shares_the_target_s_modules():
         first_layers(model, 3)
 
 
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_first_layers_is_the_cut_model_and_leaves_the_target_whole(n_layers):
+    """The draft computes what a model of n_layers blocks with the target's first weights computes, with and
+    without a cache, and building it changes nothing in the target."""
+    model, ids = MODELS[1], PROMPTS[1]
+    before = model(ids)
+    draft = first_layers(model, n_layers)
+    cut = type(model)(model.cfg.with_(n_layers=n_layers)).to(model.dtype).eval()
+    cut.load_state_dict({k: v for k, v in model.state_dict().items() if k in cut.state_dict()})
+    assert (draft(ids) - cut(ids)).abs().max().item() == 0.0
+    assert (draft(ids, ConcatCache(n_layers)) - cut(ids)).abs().max().item() <= TOL64
+    assert len(model.blocks) == model.cfg.n_layers == 3 and torch.equal(model(ids), before)
+
+
 def test_bad_requests_are_refused_before_anything_runs():
     model, ids = MODELS[0], PROMPTS[1]
     cache = ConcatCache(model.cfg.n_layers)
@@ -153,13 +167,13 @@ def test_bad_requests_are_refused_before_anything_runs():
 # -- sampling: the target's distribution, whatever the draft ------------------------------------------
 
 
-def rule_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, seed: int) -> torch.Tensor:
+def rule_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, seed: int, rule=accept_draft) -> torch.Tensor:
     """Counts [V] of the first token the acceptance rule emits, each draft token drawn from q (or fixed)."""
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(p.shape[1], dtype=torch.long)
     for _ in range(draws):
         drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(q.shape[0])] if q is not None else [3]
-        j, nxt = accept_draft(p, q, drafts, gen)
+        j, nxt = rule(p, q, drafts, gen)
         counts[drafts[0] if j > 0 else nxt] += 1
     return counts
 
@@ -174,6 +188,37 @@ def test_the_acceptance_rule_emits_the_target_s_distribution(with_q):
         p = p[:2]
     stat, df = chi2_statistic(rule_counts(p, q, 4000, seed=1), p[0])
     assert stat < chi2_critical(df, 1e-3), (stat, df)
+
+
+def resample_from_p(p, q, drafts, gen):
+    """Wrong: at a rejection, draw from the target's p instead of the residual max(0, p - q)."""
+    j, _ = accept_draft(p, q, drafts, gen)
+    return j, int(torch.multinomial(p[j], 1, generator=gen))
+
+
+def keep_every_draft(p, q, drafts, gen):
+    """Wrong: keep every draft (the draft's distribution, not the target's)."""
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+
+
+def accept_by_q_over_p(p, q, drafts, gen):
+    """Wrong: the ratio upside down, min(1, q / p), with the residual as before."""
+    for i, d in enumerate(drafts):
+        if torch.rand((), dtype=torch.float64, generator=gen) * p[i, d] < q[i, d]:
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+
+
+@pytest.mark.parametrize("wrong", [resample_from_p, keep_every_draft, accept_by_q_over_p])
+def test_a_wrong_acceptance_rule_fails_the_same_test(wrong):
+    """The chi-squared test above has the power to catch a wrong rule: the same p, q, draws and seed."""
+    gen = torch.Generator().manual_seed(0)
+    p = (torch.randn(3, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
+    q = (torch.randn(2, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
+    stat, df = chi2_statistic(rule_counts(p, q, 4000, seed=1, rule=wrong), p[0])
+    assert stat > chi2_critical(df, 1e-3), (wrong.__name__, stat, df)
 
 
 def test_sampled_speculation_keeps_the_target_s_distribution():
