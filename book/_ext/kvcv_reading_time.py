@@ -2,7 +2,7 @@
 
 The words are counted in the built page, after glue and cross-references are resolved: the text of
 paragraphs, lists, admonitions, captions and tables, not code, cell outputs or maths. The minutes
-assume WORDS_PER_MINUTE for technical prose, rounded up; the line says so in its tooltip. Pages
+assume WORDS_PER_MINUTE for technical prose, rounded up. Pages
 under notebooks/ (the chapters and the appendix) get the line; the other pages do not.
 """
 
