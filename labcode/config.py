@@ -96,6 +96,12 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+# A tinier model than "tiny", trained on the same corpus by the same script: the draft model of
+# chapter 12's speculative decoding. Not one of the presets above, which are the architectures the
+# course measures.
+DRAFT_CONFIG = GPTConfig(vocab_size=64, context_length=64, n_layers=1, n_heads=2, d_model=32)
+
+
 def get_config(name: str, **changes) -> GPTConfig:
     """Return the preset called `name`, with optional field changes."""
     if name not in PRESETS:

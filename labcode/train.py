@@ -2,6 +2,8 @@
 
 Introduced in chapter 1. Run `python -m labcode.train` to rebuild
 `labcode/data/tiny.pt` from the generated corpus: same seed, same bytes.
+`python -m labcode.train --model draft` rebuilds `labcode/data/draft.pt`, the tinier model that
+chapter 12 uses as a speculative draft.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from pathlib import Path
 
 import torch
 
-from labcode.config import GPTConfig, get_config
+from labcode.config import DRAFT_CONFIG, GPTConfig, get_config
 from labcode.corpus import make_corpus
 from labcode.model import GPT
 from labcode.tokenizer import CharTokenizer
-from labcode.weights.checkpoint import DEFAULT_CHECKPOINT, save_checkpoint
+from labcode.weights.checkpoint import DEFAULT_CHECKPOINT, DRAFT_CHECKPOINT, save_checkpoint
+
+OUTPUTS = {"tiny": DEFAULT_CHECKPOINT, "draft": DRAFT_CHECKPOINT}
+CONFIGS = {"tiny": get_config("tiny"), "draft": DRAFT_CONFIG}
 
 
 def train(cfg: GPTConfig, steps: int = 1500, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
@@ -59,15 +64,17 @@ def _train(cfg: GPTConfig, steps: int, batch_size: int, lr: float, seed: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train the course's tiny checkpoint deterministically.")
+    parser = argparse.ArgumentParser(description="Train one of the course's checkpoints deterministically.")
+    parser.add_argument("--model", choices=sorted(OUTPUTS), default="tiny")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--out", type=Path, default=None, help="default: labcode/data/<model>.pt")
     args = parser.parse_args(argv)
-    cfg = get_config("tiny")
-    model, losses = train(cfg, steps=args.steps, seed=args.seed, log_every=100)
-    save_checkpoint(model, args.out, meta={"steps": args.steps, "seed": args.seed, "final_loss": losses[-1]})
-    print(f"wrote {args.out} (final loss {losses[-1]:.4f})")
+    out = args.out or OUTPUTS[args.model]
+    model, losses = train(CONFIGS[args.model], steps=args.steps, seed=args.seed, log_every=100)
+    meta = {"model": args.model, "steps": args.steps, "seed": args.seed, "final_loss": losses[-1]}
+    save_checkpoint(model, out, meta=meta)
+    print(f"wrote {out} (final loss {losses[-1]:.4f})")
 
 
 if __name__ == "__main__":

@@ -188,6 +188,19 @@ def test_shipped_checkpoint_is_the_tiny_preset_and_speaks_like_the_corpus():
     assert loss < 0.5 * math.log(model.cfg.vocab_size), loss
 
 
+def test_shipped_draft_is_the_draft_config_and_learned_the_corpus():
+    from labcode.config import DRAFT_CONFIG
+    from labcode.weights.checkpoint import DRAFT_CHECKPOINT
+
+    draft = load_checkpoint(DRAFT_CHECKPOINT, device="cpu")
+    assert draft.cfg == DRAFT_CONFIG and draft.cfg.vocab_size == PRESETS["tiny"].vocab_size
+    assert draft.num_params() < shipped().num_params() / 4
+    ids = CharTokenizer().encode_tensor(make_corpus()[:64])
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(draft(ids[:, :-1])[0], ids[0, 1:]).item()
+    assert loss < 0.5 * math.log(draft.cfg.vocab_size), loss
+
+
 # -- generation and sampling ---------------------------------------------------------------------
 
 

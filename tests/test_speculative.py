@@ -82,6 +82,37 @@ def test_greedy_speculation_is_greedy_decoding_on_every_cache(kind, draft):
     assert drafted > accepted > 0  # both outcomes happened: kept drafts and rolled-back ones
 
 
+@pytest.fixture(scope="module")
+def shipped_pair():
+    """The shipped tiny model and the tinier draft trained on the same corpus, both in float64."""
+    from labcode.tokenizer import CharTokenizer
+    from labcode.weights.checkpoint import DRAFT_CHECKPOINT, load_checkpoint
+
+    tok = CharTokenizer()
+    target = load_checkpoint(device="cpu", dtype=torch.float64)
+    draft = load_checkpoint(DRAFT_CHECKPOINT, device="cpu", dtype=torch.float64)
+    return target, draft, [tok.encode_tensor(t) for t in ("The owl found a", "The sleepy fox walked to")]
+
+
+def test_the_trained_draft_is_greedy_decoding_on_every_cache_and_keeps_more_than_the_first_layer(shipped_pair):
+    target, draft, prompts = shipped_pair
+    assert draft.cfg.n_layers < target.cfg.n_layers and draft.num_params() < target.num_params() / 4
+    kept = {"trained": [0, 0], "layers": [0, 0]}  # [accepted, drafted]
+    for kind in EXACT:
+        for ids in prompts:
+            ref = generate_nocache(target, ids, 16)
+            for name in kept:
+                d = ModelDraft(draft, ConcatCache(1)) if name == "trained" else drafts_for(target, "layers")
+                out = speculative_generate(target, ids, 16, make_cache(kind, target), d, k=4)
+                assert torch.equal(out.ids, ref.ids), (kind, name)
+                pairs = zip(out.step_logits, ref.step_logits, strict=True)
+                assert max((a - b).abs().max().item() for a, b in pairs) <= TOL64, (kind, name)
+                kept[name][0] += sum(out.accepted)
+                kept[name][1] += sum(out.drafted)
+    trained, layers = (a / d for a, d in kept.values())
+    assert trained > layers  # a model trained to predict the next token guesses better than an early exit
+
+
 def test_greedy_speculation_on_a_quantised_cache_is_its_cached_greedy_decoding():
     model, ids = MODELS[1], PROMPTS[1]
     ref = generate(model, ids, 16, QuantizedCache(model.cfg.n_layers))

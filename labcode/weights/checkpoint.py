@@ -15,6 +15,7 @@ from labcode.config import GPTConfig
 from labcode.model import GPT
 
 DEFAULT_CHECKPOINT = Path(__file__).parent.parent / "data" / "tiny.pt"
+DRAFT_CHECKPOINT = DEFAULT_CHECKPOINT.with_name("draft.pt")  # the "draft" preset, trained the same way
 
 
 def save_checkpoint(model: GPT, path: str | Path, meta: dict | None = None) -> None:
