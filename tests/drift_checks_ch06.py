@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import labcode.kshift
 
 
 def check_shift_keys(ns: dict) -> None:
-    """Equal shifted keys for several shapes, deltas, bases and dtypes, and the same errors."""
+    """Equal shifted keys for several shapes, deltas, bases and dtypes."""
     ours, theirs = ns["shift_keys"], labcode.kshift.shift_keys
     gen = torch.Generator().manual_seed(0)
     for shape, dtype in [((1, 4, 6, 16), torch.float64), ((2, 2, 9, 8), torch.float32), ((1, 1, 1, 2), torch.float64)]:
@@ -19,16 +18,7 @@ def check_shift_keys(ns: dict) -> None:
             for base in (10000.0, 500.0):
                 a, b = ours(k, delta, base), theirs(k, delta, base)
                 assert a.dtype == b.dtype and torch.equal(a, b), (shape, dtype, delta, base)
-    bad = [(torch.zeros(2, 3, 4), 1), (torch.zeros(1, 1, 2, 5), 1), (torch.zeros(1, 1, 2, 4), 1.5),
-           (torch.zeros(1, 1, 2, 4), True)]
-    for k, delta in bad:
-        with pytest.raises(ValueError) as ours_err:
-            ours(k, delta, 10000.0)
-        with pytest.raises(ValueError) as theirs_err:
-            theirs(k, delta, 10000.0)
-        argument = str(theirs_err.value).split(":")[0]  # the message starts with the argument's name
-        assert str(ours_err.value).startswith(argument + ":"), (str(ours_err.value), argument)
-
+    # The teaching copy shows the rotation only; labcode's validation is tested in tests/test_kshift.py.
 
 CHECKS = {
     "labcode/kshift.py::shift_keys": check_shift_keys,
