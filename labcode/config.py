@@ -34,11 +34,16 @@ class GPTConfig:
     mlp: str = "gelu"  # "gelu" (GPT-2: up, tanh GELU, down) or "swiglu" (Llama: down(silu(gate) * up))
     d_ff: int | None = None  # hidden width of the feed-forward (None means 4 * d_model, GPT-2's)
     bias: bool = True  # biases on the projections and LayerNorms (Llama has none)
+    # Multi-head latent attention (DeepSeek's MLA, the chapter on smaller caches; labcode/mla.py).
+    kv_latent: int | None = None  # r: width of the latent each layer caches instead of K and V (None: no latent)
+    latent_rope_dim: int | None = None  # width of MLA's rotary key, shared by the heads (None: D/2 if rotary, else 0)
 
     def __post_init__(self) -> None:
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         object.__setattr__(self, "n_kv_heads", kv)
         object.__setattr__(self, "d_ff", 4 * self.d_model if self.d_ff is None else self.d_ff)
+        if self.kv_latent is not None and self.latent_rope_dim is None and self.n_heads > 0:
+            object.__setattr__(self, "latent_rope_dim", self.d_model // self.n_heads // 2 if self.rotary else 0)
         checks = {  # field: (valid, what was expected)
             "vocab_size": (self.vocab_size > 0, "a positive number of token ids"),
             "context_length": (self.context_length > 0, "a positive number of positions"),
@@ -64,11 +69,36 @@ class GPTConfig:
         if self.rotary and self.head_dim % 2:
             fail("GPTConfig.d_model", "an even head dim (rotary positions turn pairs of channels)",
                  f"head dim {self.head_dim}")
+        if self.kv_latent is not None or self.latent_rope_dim is not None:
+            self._check_latent()
+
+    def _check_latent(self) -> None:
+        """The latent-attention fields: a positive rank, a rotary key of even width only with rotary positions,
+        and no grouped heads (the latent replaces the K/V heads)."""
+        r, dr = self.kv_latent, self.latent_rope_dim
+        if r is None:
+            fail("GPTConfig.latent_rope_dim", "None without kv_latent (it belongs to latent attention)", repr(dr))
+        if not (is_int(r) and r > 0):
+            fail("GPTConfig.kv_latent", "None or a positive int (the rank r of the cached latent)", repr(r))
+        want = "a positive even int (the rotary key's width)" if self.rotary else "0 (no rotary positions)"
+        if not (is_int(dr) and (dr > 0 and dr % 2 == 0 if self.rotary else dr == 0)):
+            fail("GPTConfig.latent_rope_dim", f"None or {want}", repr(dr))
+        if self.n_kv_heads != self.n_heads:
+            fail("GPTConfig.n_kv_heads", f"None or n_heads {self.n_heads} with kv_latent (the latent replaces "
+                 "the K/V heads)", repr(self.n_kv_heads))
 
     @property
     def head_dim(self) -> int:
         """D, the width of one attention head."""
         return self.d_model // self.n_heads
+
+    @property
+    def cached_kv(self) -> tuple[int, int]:
+        """(Hkv, D) of what each layer appends to its cache: Hkv heads of width D, or with latent attention
+        one row of width r + rotary width, which serves as key and as value."""
+        if self.kv_latent is None:
+            return self.n_kv_heads, self.head_dim
+        return 1, self.kv_latent + self.latent_rope_dim
 
     def with_(self, **changes) -> GPTConfig:
         """A copy with some fields changed (the config itself is frozen)."""
@@ -76,6 +106,10 @@ class GPTConfig:
             changes["n_kv_heads"] = None  # plain multi-head attention stays plain with the new head count
         if "d_model" in changes and "d_ff" not in changes and self.d_ff == 4 * self.d_model:
             changes["d_ff"] = None  # GPT-2's 4x feed-forward stays 4x with the new width
+        shape = {"rotary", "n_heads", "d_model"} & changes.keys()
+        if self.kv_latent is not None and shape and "latent_rope_dim" not in changes and (
+                self.latent_rope_dim == (self.head_dim // 2 if self.rotary else 0)):
+            changes["latent_rope_dim"] = None  # the default rotary key follows the new head dim or positions
         return replace(self, **changes)
 
 

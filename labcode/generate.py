@@ -55,7 +55,8 @@ def check_prompt(model, ids: torch.Tensor, cache, chunk_size: int | None = None)
     if room is not None and p > room:
         fail("ids", f"a prompt of at most {room} tokens (the room left in the cache)", p, CacheError)
     size = chunk_length(cache, p, chunk_size)
-    cache.check((b, model.cfg.n_kv_heads, size, model.cfg.head_dim), model.dtype, model.device)
+    hkv, d = model.cfg.cached_kv  # what each layer appends: K/V heads, or one latent row (latent attention)
+    cache.check((b, hkv, size, d), model.dtype, model.device)
     return size
 
 

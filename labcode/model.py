@@ -98,6 +98,8 @@ class CausalSelfAttention(nn.Module):
         else:
             k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
             mask = cache.mask(layer, t)
+            if hasattr(cache, "observe"):  # a cache that evicts by attention score sees the queries (H2O, SnapKV)
+                cache.observe(layer, q, k, mask)
         y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
@@ -135,13 +137,20 @@ def feed_forward(cfg: GPTConfig) -> nn.Module:
     )
 
 
+def latent_attention(cfg: GPTConfig) -> nn.Module:
+    """Multi-head latent attention (`cfg.kv_latent`), which lives in labcode/mla.py and builds on this module."""
+    from labcode.mla import LatentAttention  # imported when asked for: mla.py imports this module
+
+    return LatentAttention(cfg)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg) if cfg.kv_latent is None else latent_attention(cfg)
         self.ln_2 = norm(cfg)
         self.mlp = feed_forward(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -208,7 +217,8 @@ class GPT(nn.Module):
         b, t = self.check_ids(ids)
         cache = NoCache(len(self.blocks), self.cfg.sliding_window) if cache is None else cache
         check_cache(cache, len(self.blocks), self.cfg.sliding_window)  # a cache cannot know the model: checked here
-        placed = cache.begin((b, self.cfg.n_kv_heads, t, self.cfg.head_dim), self.dtype, self.device)
+        hkv, d = self.cfg.cached_kv  # Hkv heads of D, or one latent row (latent attention)
+        placed = cache.begin((b, hkv, t, d), self.dtype, self.device)
         try:  # the cache refused nothing, so it writes from here on; a pass that fails commits nothing
             positions = self.positions(placed, cache.position, b, t)  # (T,) or (B, T)
             x = self.tok_emb(ids)  # (B, T, C)

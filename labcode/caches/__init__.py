@@ -1,12 +1,14 @@
-"""Cache policies, each a small class behind the one `KVCache` contract (chapters 3 to 6)."""
+"""Cache policies, each a small class behind the one `KVCache` contract (chapters 3 to 6; smaller caches)."""
 
 from labcode.caches.base import CacheError, KVCache, NoCache
 from labcode.caches.concat import ConcatCache
 from labcode.caches.explicit import PairsCache
 from labcode.caches.growable import GrowableCache
+from labcode.caches.latent import LatentCache
 from labcode.caches.naive import ModuleStateCache
 from labcode.caches.prealloc import PreallocatedCache
 from labcode.caches.ring import RingCache
+from labcode.caches.scored import H2OCache, SnapKVCache
 from labcode.caches.sinks import SinkCache
 from labcode.caches.sliding import SlidingWindowCache
 from labcode.caches.styles import Request, as_cache
@@ -16,7 +18,9 @@ __all__ = [
     "CacheError",
     "ConcatCache",
     "GrowableCache",
+    "H2OCache",
     "KVCache",
+    "LatentCache",
     "ModuleStateCache",
     "NoCache",
     "PairsCache",
@@ -25,6 +29,7 @@ __all__ = [
     "RingCache",
     "SinkCache",
     "SlidingWindowCache",
+    "SnapKVCache",
     "WindowCache",
     "as_cache",
 ]
