@@ -188,3 +188,225 @@ def test_diagrams_small_print_is_legible_at_natural_size(forked):
         assert sizes and min(sizes) >= LABEL_FONT, sorted(sizes)[:3]
         plt.close(drawn)
     assert LABEL_FONT * PAGE_DPI / 72 >= 12
+
+
+# -- chapter 8: one query row's walk through the keys, block by block ------------------------------------------
+
+def _walk_inputs(h=4, hkv=2, s=30, d=8, t=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, m, d, generator=g, dtype=torch.float64) for n, m in ((h, t), (hkv, s), (hkv, s))]
+
+
+def test_online_walk_holds_the_recurrences_running_state_after_each_block():
+    import math
+
+    from labcode.attention import online_softmax_attention
+    from labcode.diagrams import online_walk
+
+    q, k, v = _walk_inputs()
+    walk = online_walk(q, k, v, block_size=8, head=3)  # head 3 reads key/value head 1; the last block is shorter
+    scores = (k[0, 1] @ q[0, 3, 0] / math.sqrt(8)).tolist()
+    assert walk.scores == pytest.approx(scores, abs=1e-12) and len(walk.running_max) == 4
+    m, ssum = float("-inf"), 0.0
+    for b, j in enumerate(range(0, 30, 8)):  # the recurrence, one block at a time, in plain Python
+        m_new = max(m, *scores[j : j + 8])
+        rescale = math.exp(m - m_new)
+        ssum = ssum * rescale + sum(math.exp(x - m_new) for x in scores[j : j + 8])
+        m = m_new
+        assert walk.running_max[b] == pytest.approx(m, abs=1e-12)
+        assert walk.rescale[b] == pytest.approx(rescale, abs=1e-12)
+        assert walk.running_sum[b] == pytest.approx(ssum, rel=1e-12)
+    assert walk.rescale[0] == 0.0
+    out = online_softmax_attention(q, k, v, block_size=8)[0, 3, 0]
+    weights = torch.tensor([math.exp(x - m) / ssum for x in scores], dtype=torch.float64)
+    assert torch.allclose(out, weights @ v[0, 1], atol=1e-12, rtol=0)
+
+
+def test_online_walk_rejects_what_it_cannot_draw():
+    from labcode.diagrams import online_walk
+
+    q, k, v = _walk_inputs()
+    with pytest.raises(ValueError, match=r"q: expected one decode step, \[1, H, 1, D\], got \(1, 4, 2, 8\)"):
+        online_walk(*_walk_inputs(t=2), block_size=8)
+    with pytest.raises(ValueError, match="block_size: expected a positive int, got 0"):
+        online_walk(q, k, v, block_size=0)
+    with pytest.raises(ValueError, match=r"head: expected a query head in \[0, 4\), got 4"):
+        online_walk(q, k, v, block_size=8, head=4)
+    with pytest.raises(ValueError, match="k, v: expected two"):
+        online_walk(q, k[..., :4], v, block_size=8)
+
+
+def test_walk_figure_draws_every_block_key_and_state_legibly():
+    from matplotlib.patches import Rectangle
+
+    from labcode.diagrams import online_walk, walk_figure
+    from labcode.plotting import MIN_TEXT_PT, drawn_texts
+
+    walk = online_walk(*_walk_inputs(), block_size=8)
+    fig = walk_figure(walk)
+    ax = fig.axes[0]
+    texts = texts_of(ax)
+    assert {"keys of K, V", "0–7", "8–15", "16–23", "24–29"} <= set(texts)  # the last block is shorter
+    bars = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_alpha() == 0.85]
+    assert len(bars) == 30  # one per key
+    for values in (walk.running_max, walk.rescale, walk.running_sum):
+        assert all(f"{x:.2f}" in texts for x in values)
+    fig.canvas.draw()
+    assert min(t.get_fontsize() for t in drawn_texts(fig)) >= MIN_TEXT_PT  # it shrinks on a phone with the page
+    plt.close(fig)
+
+
+# -- the pictures that open chapters 1 to 4, 10 and 11: drawn from real runs of the tiny model ------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    from labcode.weights.checkpoint import load_checkpoint
+
+    return load_checkpoint(device="cpu", dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from labcode.tokenizer import CharTokenizer
+
+    return CharTokenizer()
+
+
+def _phone_px(fig) -> float:
+    """The picture's smallest text in CSS px on a 390 px phone, where the page shrinks it to the 358 px column."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from labcode.plotting import PNG_TEXT_KEY, page_png
+
+    png, meta = page_png(fig)  # as the book shows it: its PNG records its smallest text at its natural width
+    record = float(Image.open(io.BytesIO(base64.b64decode(png))).text[PNG_TEXT_KEY])
+    return record * min(1.0, 358 / meta["width"])
+
+
+def test_calls_view_shows_what_each_call_ran_and_chose(tiny, tok):
+    from labcode.diagrams import calls_figure, calls_view, generation_calls
+    from labcode.generate import generate, generate_nocache
+
+    prompt = tok.encode_tensor("The fox")
+    plain, cached = generate_nocache(tiny, prompt, 3), generate(tiny, prompt, 3, ConcatCache(2))
+    a, b = calls_view(plain, 7, tok.decode), calls_view(cached, 7, tok.decode)
+    text = tok.decode(plain.ids[0].tolist())
+    assert a.texts == b.texts == (text[:7], text[:8], text[:9]) and a.chosen == tuple(text[7:10])
+    assert a.ran == (7, 8, 9) and b.ran == (7, 1, 1)
+    assert generation_calls(tiny, prompt, 3, tok.decode) == {"without a cache": a, "with a cache": b}
+    fig = calls_figure({"no cache": a, "cache": b})
+    texts = texts_of(fig.axes[0])
+    assert [t for t in texts if t.startswith("ran ")] == ["ran 7", "ran 8", "ran 9", "ran 7", "ran 1", "ran 1"]
+    filled = [p for p in fig.axes[0].patches if p.get_facecolor()[3] > 0 and p.get_alpha() == 0.35]
+    assert len(filled) == 7 + 8 + 9 + 7 + 1 + 1  # one filled box per position run
+    assert _phone_px(fig) >= 9.5
+    plt.close(fig)
+    with pytest.raises(ValueError, match=r"calls: expected an int in \[1, 3\], got 4"):
+        calls_view(plain, 7, tok.decode, calls=4)
+    with pytest.raises(ValueError, match=r"generation: expected call 0 to run 1 to 6 positions, got 7"):
+        calls_view(plain, 6, tok.decode)  # the wrong prompt length: the record cannot be read
+
+
+def test_scores_view_takes_the_models_own_weights_and_sees_the_old_rows_unchanged(tiny, tok):
+    from labcode.diagrams import scores_figure, scores_view
+
+    view = scores_view(tiny, tok.encode_tensor("The owl."), tok.decode, layer=1, head=2)
+    w = torch.tensor(view.weights)
+    assert w.shape == (8, 8) and torch.allclose(w.sum(-1), torch.ones(8, dtype=w.dtype), atol=1e-12)
+    assert (w.triu(1) == 0).all() and view.old_rows_unchanged and view.text == "The owl."
+    fig = scores_figure(view)
+    assert "← the new row" in texts_of(fig.axes[0]) and "the same as" in texts_of(fig.axes[0])
+    assert _phone_px(fig) >= 9.5
+    plt.close(fig)
+    import copy
+
+    noisy = copy.deepcopy(tiny)
+    noisy.blocks[0].attn.cfg = noisy.cfg.with_(dropout=0.5)  # dropout on the weights: not softmax(q k) any more
+    noisy.train()
+    with pytest.raises(CacheError, match="model: expected head 0's output to be its weights times its values"):
+        scores_view(noisy, tok.encode_tensor("The owl."), tok.decode)
+
+
+def test_module_state_history_shows_every_cat_copy_and_resets_the_model(tiny, tok):
+    from labcode.diagrams import module_state_history, states_figure
+
+    ids = tok.encode_tensor("The little fox")
+    panels = module_state_history(tiny, ids, [(0, 6), (6, 1), (7, 3)], tok.decode)
+    assert tiny.current_pos == 0 and tiny.blocks[0].attn.cache_k is None  # the model is left as it was found
+    rows = [p.rows[1] for p in panels]
+    assert [r.text for r in rows] == ["The li", "The lit", "The little"]
+    assert [(r.new, r.copied, r.note) for r in rows] == [(6, 0, "ptr 6"), (1, 6, "ptr 7"), (3, 7, "ptr 10")]
+    assert panels[2].note == "current_pos 10" and panels[1].title == "model(ids[6:7], use_cache=True)"
+    fig = states_figure(panels)
+    assert _phone_px(fig) >= 9.5
+    plt.close(fig)
+    with torch.no_grad():
+        tiny(ids[:, :2], use_cache=True)
+    try:
+        with pytest.raises(ValueError, match="model: expected a model holding no naive cache"):
+            module_state_history(tiny, ids, [(0, 2)], tok.decode)
+    finally:
+        tiny.reset_kv_cache()
+
+
+def test_pairs_fork_view_shows_two_continuations_of_one_untouched_list(tiny, tok):
+    from labcode.diagrams import pairs_fork_view, states_figure
+
+    panels = pairs_fork_view(tiny, tok.encode_tensor("The hare"),
+                             {"a": tok.encode_tensor(" ran"), "b": tok.encode_tensor("s")}, tok.decode)
+    assert [p.rows[0].text for p in panels] == ["The hare", "The hare ran", "The hares"]
+    assert [(p.rows[1].new, p.rows[1].copied) for p in panels] == [(8, 0), (4, 8), (1, 8)]
+    assert panels[2].title == "b = model('s', caches, ...)" and len(panels[0].rows) == tiny.cfg.n_layers
+    fig = states_figure(panels, footer="f")
+    assert "f" in texts_of(fig.axes[0]) and _phone_px(fig) >= 9.5
+    plt.close(fig)
+
+
+def test_split_views_count_each_processs_bytes_from_the_cache(tiny, tok):
+    from labcode.diagrams import split_views, splits_figure
+    from labcode.distributed.tensor_parallel import tp_cache_bytes
+    from labcode.generate import prefill
+
+    cache = ConcatCache(2)
+    with torch.no_grad():
+        prefill(tiny, tok.encode_tensor("The sleepy fox"), cache)
+    heads, layers, shipped = split_views(tiny, cache)
+    assert heads.holders == (("0", "0", "1", "1"),) * 2 and layers.holders == (("0",) * 4, ("1",) * 4)
+    half = tp_cache_bytes(2, 1, 14, 4, tiny.cfg.head_dim, 8, 2)
+    assert 2 * half == cache.nbytes and heads.notes == layers.notes == (f"{half:,} B each",)
+    assert shipped.notes[0].endswith(" B sent") and int(shipped.notes[0].split()[0].replace(",", "")) > cache.nbytes
+    fig = splits_figure([heads, layers, shipped])
+    assert texts_of(fig.axes[0]).count("1") == 4 + 4 + 8 and _phone_px(fig) >= 9.5
+    plt.close(fig)
+    with pytest.raises(CacheError, match="cache: expected a filled ConcatCache"):
+        split_views(tiny, ConcatCache(2))
+
+
+def test_serve_views_show_each_pass_and_the_blocks_each_request_holds(tiny):
+    from labcode.diagrams import pool_figure, serve_views
+    from labcode.serving import Scheduler, random_trace
+
+    trace = random_trace(0, 10, tiny.cfg.vocab_size, prompt_len=(4, 14), max_new=(3, 8), last_arrival=6)
+    sched = Scheduler(tiny, 10, 4, 8, prefix="hash")
+    for req in trace:
+        sched.submit(req)
+    views = serve_views(sched, [3, 4])
+    assert [v.step for v in views] == [3, 4] and not sched.busy()
+    for v in views:
+        assert sum(n for _, n, _ in v.batch) <= v.budget == 8 and len(v.blocks) == 10
+        for rid, _, _ in v.batch:  # every request of a pass holds blocks enough for what it has computed
+            assert any(rid in names.split() for names, _, _ in v.blocks) or rid in sched.done
+    held = [names for names, _, _ in views[1].blocks if names]
+    assert all(0 < f <= 4 for names, f, _ in views[1].blocks if names) and len(held) >= 3
+    assert any(decode for _, _, decode in views[1].batch) and any(not d for _, _, d in views[1].batch)
+    fig = pool_figure(views)
+    assert "step 4: one pass, 8 tokens at most" in texts_of(fig.axes[0]) and _phone_px(fig) >= 9.5
+    plt.close(fig)
+    again = Scheduler(tiny, 10, 4, 8)
+    for req in trace:
+        again.submit(req)
+    with pytest.raises(CacheError, match=r"steps: expected steps the scheduler ran"):
+        serve_views(again, [999])

@@ -1,5 +1,6 @@
-"""The engine constants chapter 9 states come from one table (labcode.engines.sources): each row
-names a file and a function, and what can be checked against an installed package is."""
+"""The engine constants chapter 9 states, on its two pages, come from one table
+(labcode.engines.sources): each row names a file and a function, and what can be checked against an
+installed package is."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from labcode.engines import sources
 
 ROOT = Path(__file__).resolve().parent.parent
-CH09 = ROOT / "notebooks" / "09_how_engines_manage_the_cache.ipynb"
+# Chapter 9's pages: the engines' caches, then the engines compared.
+CH09 = [ROOT / "notebooks" / f"{n}.ipynb" for n in ("09_how_engines_manage_the_cache", "09a_how_the_engines_compare")]
 
 
 def test_every_row_names_a_repository_a_file_and_a_function():
@@ -44,10 +46,13 @@ def test_an_unknown_key_is_refused_with_the_keys_there_are():
 
 
 def test_chapter_9_glues_every_row_and_every_version():
-    cells = json.loads(CH09.read_text())["cells"]
-    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    assert 'glue(f"src_{row.key}", row.value)' in code and "sources.versions().items()" in code
+    """Each page glues the whole table, and between them the pages use every row and every version."""
+    prose = ""
+    for page in CH09:
+        cells = json.loads(page.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        prose += "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        assert 'glue(f"src_{row.key}", row.value)' in code and "sources.versions().items()" in code, page.name
     for row in sources.SOURCES:
         assert f"`src_{row.key}`" in prose, f"chapter 9's prose does not use {row.key}"
     for name in ("vllm", "llama_cpp", "candle", "transformers"):
