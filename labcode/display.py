@@ -60,15 +60,24 @@ def num(value: float, digits: int = 3) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
+GLUE_PREFIX = "application/papermill.record/"  # myst-nb's mime prefix of a glued, hidden output
+
+
 def glue(name: str, value, display: bool = False) -> None:
     """myst-nb's `glue`, hidden by default: the page inserts `value` where the text says {glue:text}`name`.
 
     Glued values are compared by nbval like any output, so glue counts, ids and claims as they are,
     and a measured float rounded to the digits the sentence needs (`sig`).
     """
-    from myst_nb import glue as myst_glue  # imported here: only notebooks glue
+    # What myst-nb's own `glue` (myst_nb.ext.glue) displays, without importing it: that module imports
+    # nbformat and jsonschema, seconds of start-up in every notebook's kernel for one display call.
+    import IPython
+    from IPython.display import display as ipy_display
 
-    myst_glue(name, value, display=display)
+    bundle, metadata = IPython.core.formatters.format_display_data(value)
+    prefix = "" if display else GLUE_PREFIX
+    metadata["scrapbook"] = {"name": name, "mime_prefix": prefix}
+    ipy_display({prefix + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)
 
 
 def show_table(header: list[str], rows: list[list], align: str | None = None) -> None:

@@ -19,3 +19,23 @@ def test_num_writes_significant_digits_in_full(value, digits, text):
 def test_num_leaves_what_needs_an_exponent_to_sig():
     assert num(2.5e-7, 2) == sig(2.5e-7, 2) == "2.5e-07"
     assert num(0.0) == "0.0" and num(float("inf")) == "inf"
+
+
+@pytest.mark.parametrize("value", [3, "a claim", 1.5e-13, {"a": 1}])
+@pytest.mark.parametrize("display", [False, True])
+def test_glue_displays_what_myst_nb_s_glue_displays(monkeypatch, value, display):
+    """labcode.display.glue avoids importing myst_nb.ext.glue (seconds per kernel) but must display
+    exactly what it displays: the same bundle, prefix and scrapbook metadata, which the book reads."""
+    import myst_nb.ext.glue as myst_glue
+
+    import labcode.display
+
+    shown = []
+    record = lambda bundle, raw, metadata: shown.append((bundle, raw, metadata))  # noqa: E731
+    monkeypatch.setattr("IPython.display.display", record)
+    monkeypatch.setattr(myst_glue, "ipy_display", record)
+    labcode.display.glue("name", value, display=display)
+    myst_glue.glue("name", value, display=display)
+    assert labcode.display.GLUE_PREFIX == myst_glue.GLUE_PREFIX
+    assert len(shown) == 2 and shown[0] == shown[1]
+    assert shown[0][2]["scrapbook"]["name"] == "name"
