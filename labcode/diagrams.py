@@ -926,3 +926,64 @@ def pool_figure(views: Sequence[PoolStep], per_row: int = 5, width: float = PICT
     _legend(ax, [("decode", COLOURS[0], 0.55, None), ("prompt chunk", COLOURS[0], 0.3, "//")]
             + ([("unused", None, 0, None)] if unused else []))
     return fig
+
+
+# -- chapter 6's opening picture: the keys each of three answers attends to -----------------------------
+
+Box = tuple[str, int, bool]  # (character, position, attended to)
+
+
+def three_answers_view(model, ids: torch.Tensor, window: int, text: str) -> dict[str, list[Box]]:
+    """The keys the last of `ids` [1, T] attends to under the full model, a window cache of `window`
+    slots fed one token at a time, and the truncated recompute of the last `window` tokens, read from
+    the caches after the pass. `text` holds the T characters of `ids`."""
+    from labcode.caches import ConcatCache, WindowCache
+
+    t = ids.shape[1]
+    if not (0 < window < t and len(text) == t):
+        fail("window", f"fewer slots than the {t} tokens, and one character of text per token",
+             (window, len(text)), CacheError)
+    chars = ["␣" if c == " " else c for c in text]
+    with torch.no_grad():
+        full = ConcatCache(model.cfg.n_layers)
+        model(ids, full)
+        cache = WindowCache(model.cfg.n_layers, window)
+        for p in range(t):
+            model(ids[:, p : p + 1], cache)
+        fresh = ConcatCache(model.cfg.n_layers)
+        model(ids[:, -window:], fresh)  # the last W tokens, from scratch
+    held = set(range(cache.position - cache.length(), cache.position))
+    start = t - fresh.position  # the first token the recompute sees
+    return {
+        "full model": [(chars[x], x, True) for x in range(full.position)],
+        "window cache": [(chars[x], x, x in held) for x in range(t)],
+        "truncated recompute": [(chars[start + q], q, True) for q in range(fresh.position)],
+    }
+
+
+def three_answers_figure(rows: dict[str, list[Box]], notes: Sequence[str | None], width: float = 4.6):
+    """One row of boxes per answer, its title above it, each box a key's character over its position,
+    dashed and grey where the answer does not attend to it; `notes` beside the rows. Returns the figure."""
+    from matplotlib.patches import Rectangle
+
+    from labcode.plotting import figure
+
+    grey, gap, mid = "#9aa0a8", 2.9, {"ha": "center", "va": "center"}
+    t = max(len(boxes) for boxes in rows.values())
+    fig, ax = figure(height=3.9, width=width)
+    for r, ((title, boxes), note) in enumerate(zip(rows.items(), notes, strict=True)):
+        y = -r * gap
+        ax.text(0, y + 1.45, title, ha="left", va="center", fontsize=13, color=INK)
+        for x, (char, pos, on) in enumerate(boxes):
+            ink, line = (INK, "-") if on else (grey, "--")
+            if on:
+                ax.add_patch(Rectangle((x, y), 1, 1, color=COLOURS[0], alpha=0.35, lw=0))
+            ax.add_patch(Rectangle((x, y), 1, 1, fill=False, ec=ink, lw=0.9, ls=line))
+            ax.text(x + 0.5, y + 0.5, char, **mid, fontsize=13, family="monospace", color=ink)
+            ax.text(x + 0.5, y - 0.35, str(pos), **mid, fontsize=12, color=ink)
+        if note:
+            ax.text(t + 0.3, y + 0.5, note, ha="left", va="center", fontsize=12, color=INK)
+    ax.set(xlim=(0, t + 5.6), ylim=(-(len(rows) - 1) * gap - 0.8, 1.9))
+    ax.set_aspect("equal")
+    ax.set_axis_off()
+    return fig

@@ -19,8 +19,7 @@ from labcode.model import GPT
 from labcode.tokenizer import CharTokenizer
 from labcode.weights.checkpoint import DEFAULT_CHECKPOINT, DRAFT_CHECKPOINT, save_checkpoint
 
-OUTPUTS = {"tiny": DEFAULT_CHECKPOINT, "draft": DRAFT_CHECKPOINT}
-CONFIGS = {"tiny": get_config("tiny"), "draft": DRAFT_CONFIG}
+MODELS = {"tiny": (get_config("tiny"), DEFAULT_CHECKPOINT), "draft": (DRAFT_CONFIG, DRAFT_CHECKPOINT)}
 
 
 def train(cfg: GPTConfig, steps: int = 1500, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
@@ -65,13 +64,14 @@ def _train(cfg: GPTConfig, steps: int, batch_size: int, lr: float, seed: int,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train one of the course's checkpoints deterministically.")
-    parser.add_argument("--model", choices=sorted(OUTPUTS), default="tiny")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="default: labcode/data/<model>.pt")
     args = parser.parse_args(argv)
-    out = args.out or OUTPUTS[args.model]
-    model, losses = train(CONFIGS[args.model], steps=args.steps, seed=args.seed, log_every=100)
+    cfg, default_out = MODELS[args.model]
+    out = args.out or default_out
+    model, losses = train(cfg, steps=args.steps, seed=args.seed, log_every=100)
     meta = {"model": args.model, "steps": args.steps, "seed": args.seed, "final_loss": losses[-1]}
     save_checkpoint(model, out, meta=meta)
     print(f"wrote {out} (final loss {losses[-1]:.4f})")

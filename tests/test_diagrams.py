@@ -410,3 +410,20 @@ def test_serve_views_show_each_pass_and_the_blocks_each_request_holds(tiny):
         again.submit(req)
     with pytest.raises(CacheError, match=r"steps: expected steps the scheduler ran"):
         serve_views(again, [999])
+
+
+def test_three_answers_view_reads_the_positions_from_the_caches():
+    from labcode.diagrams import three_answers_figure, three_answers_view
+    from labcode.tokenizer import CharTokenizer
+    from labcode.weights.checkpoint import load_checkpoint
+
+    model, text = load_checkpoint(device="cpu", dtype=torch.float64), "The owl"
+    ids = CharTokenizer().encode_tensor(text)
+    rows = three_answers_view(model, ids, 3, text)
+    assert [p for _, p, on in rows["full model"] if on] == list(range(7))
+    assert [p for _, p, on in rows["window cache"] if on] == [4, 5, 6]  # the latest three, at their positions
+    assert [(c, p) for c, p, _ in rows["truncated recompute"]] == [("o", 0), ("w", 1), ("l", 2)]  # renumbered
+    assert rows["window cache"][3][0] == "␣"
+    plt.close(three_answers_figure(rows, [None, "a", "b"]))
+    with pytest.raises(CacheError, match=r"window: expected fewer slots"):
+        three_answers_view(model, ids, 7, text)
