@@ -9,7 +9,9 @@ The pictures that open chapters 1 to 4, 10 and 11 (and the introduction) are mad
 from a short real run: `generation_calls` (the calls of chapter 1's two loops), `scores_view` (one
 head's attention weights), `module_state_history` and `pairs_fork_view` (where the keys and values
 live in chapters 3 and 4), `split_views` (chapter 10's three splits) and `serve_views` (chapter 11's
-scheduler over its pool), each with a `_figure` function that draws it.
+scheduler over its pool), each with a `_figure` function that draws it. Chapter 13's `row_bytes`
+counts one token's cache row under each way of making it smaller, from the formulas the caches'
+own byte counts are checked against, and `row_bytes_figure` draws the rows to scale.
 """
 
 from __future__ import annotations
@@ -986,4 +988,93 @@ def three_answers_figure(rows: dict[str, list[Box]], notes: Sequence[str | None]
     ax.set(xlim=(0, t + 5.6), ylim=(-(len(rows) - 1) * gap - 0.8, 1.9))
     ax.set_aspect("equal")
     ax.set_axis_off()
+    return fig
+
+
+# -- chapter 13's opening picture: one token's cache row under each lever, to scale in bytes --------------
+
+ROW_PARTS = {  # what a part of a row holds -> its colour
+    "K and V": COLOURS[0],
+    "latent c": COLOURS[3],
+    "rotary key": COLOURS[4],
+    "codes": COLOURS[1],
+    "scales": COLOURS[2],
+}
+
+
+@dataclass(frozen=True)
+class RowBytes:
+    """One token's share of a cache under one lever: (part, bytes) pairs, in the order they are drawn."""
+
+    label: str
+    parts: tuple[tuple[str, float], ...]
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.parts)
+
+
+def row_bytes(cfg, tokens: int, rank: int, rope_dim: int, bits: int = 2, group_size: int = 32,
+              residual: int = 32, budget: int = 512, share_every: int = 2,
+              element_bytes: int = 2) -> list[RowBytes]:
+    """Bytes per token of a `tokens`-long sequence at the shapes of `cfg` (L, H, its Hkv, D), `element_bytes`
+    an element: MHA, GQA (cfg's Hkv), MQA; MLA of rank r with a rotary key (labcode.mla); chapter 9's int8
+    codes and KIVI's `bits`-bit codes (labcode.engines.kivi, scales and residual counted) on cfg's heads;
+    eviction to `budget` rows (H2O, SnapKV); one K/V per `share_every` layers (cross-layer sharing)."""
+    from labcode.cost import kv_cache_bytes, quantized_kv_cache_bytes
+    from labcode.engines.kivi import kivi_bytes
+    from labcode.mla import latent_bytes_per_token
+
+    n, h, hkv, d, e = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, element_bytes
+    if not (0 < budget <= tokens and 0 < share_every <= n and hkv not in (1, h)):
+        fail("cfg, tokens, budget, share_every", "grouped heads (1 < Hkv < H), 0 < budget <= tokens and "
+             f"0 < share_every <= L={n}", (hkv, tokens, budget, share_every), CacheError)
+    dense = {name: kv_cache_bytes(n, 1, 1, heads, d, e) for name, heads in (("MHA", h), ("GQA", hkv), ("MQA", 1))}
+    int8 = quantized_kv_cache_bytes(n, 1, 1, hkv, d)
+    codes8 = kv_cache_bytes(n, 1, 1, hkv, d, 1)
+
+    def kivi(**zeroed) -> float:  # per token, with some of KIVI's byte counts set to zero
+        args = {"scale_bytes": e, "residual_bytes": e, **zeroed}
+        return kivi_bytes(n, hkv, d, tokens, bits, group_size, residual, **args) / tokens
+
+    low_codes, low_scaled = kivi(scale_bytes=0, residual_bytes=0), kivi(residual_bytes=0)
+    shared = kv_cache_bytes(-(-n // share_every), 1, 1, hkv, d, e)
+    return [
+        RowBytes(f"MHA: {h} K/V heads", (("K and V", dense["MHA"]),)),
+        RowBytes(f"GQA: {hkv} K/V heads", (("K and V", dense["GQA"]),)),
+        RowBytes("MQA: one K/V head", (("K and V", dense["MQA"]),)),
+        RowBytes(f"MLA: latent r = {rank}, rotary key {rope_dim}",
+                 (("latent c", latent_bytes_per_token(n, rank, 0, e)),
+                  ("rotary key", latent_bytes_per_token(n, 0, rope_dim, e)))),
+        RowBytes("GQA in int8 codes", (("codes", codes8), ("scales", int8 - codes8))),
+        RowBytes(f"GQA in KIVI {bits}-bit codes, the latest {residual} exact",
+                 (("codes", low_codes), ("scales", low_scaled - low_codes),
+                  ("K and V", kivi() - low_scaled))),
+        RowBytes(f"GQA evicted to {budget:,} of {tokens:,} rows", (("K and V", dense["GQA"] * budget / tokens),)),
+        RowBytes(f"GQA, one K/V for every {share_every} layers", (("K and V", shared),)),
+    ]
+
+
+def row_bytes_figure(rows: Sequence[RowBytes], unit: str = "B", width: float = PICTURE_WIDTH):
+    """One bar per lever, stacked from its parts and drawn to one scale, its label above it and its total at
+    its end. Returns the figure."""
+    from matplotlib.patches import Rectangle
+
+    if not rows:
+        fail("rows", "one or more RowBytes", rows)
+    top = max(r.total for r in rows)
+    span, gap = 10.0, 1.25  # drawing units: the longest bar; from one row to the next
+    fig, ax = picture_figure(span * 1.3, len(rows) * gap + 0.2, width)
+    scale = span / top
+    for i, row in enumerate(rows):
+        y = -(i + 1) * gap
+        _text(ax, 0.0, y + 0.72, row.label, ha="left")
+        x = 0.0
+        for part, b in row.parts:
+            ax.add_patch(Rectangle((x, y), b * scale, 0.42, facecolor=ROW_PARTS[part], alpha=0.75, linewidth=0))
+            x += b * scale
+        ax.add_patch(Rectangle((0, y), x, 0.42, facecolor="none", edgecolor=INK, linewidth=0.6))
+        _text(ax, x + 0.15, y + 0.21, f"{row.total:,.0f} {unit}", ha="left")
+    used = [p for p in ROW_PARTS if any(p == q for r in rows for q, _ in r.parts)]
+    _legend(ax, [(p, ROW_PARTS[p], 0.75, None) for p in used])
     return fig

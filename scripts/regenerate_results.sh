@@ -3,7 +3,8 @@
 #
 #   bash scripts/regenerate_results.sh           # every QA notebook's result (a few minutes)
 #   bash scripts/regenerate_results.sh --bench   # and the benchmarks too (several minutes more)
-#   bash scripts/regenerate_results.sh --llamacpp   # and time the llama.cpp build (minutes of every core)
+#   bash scripts/regenerate_results.sh --llamacpp   # and time the llama.cpp build, then run llama.cpp on the real model
+#   bash scripts/regenerate_results.sh --long       # and the long records (tens of minutes)
 #
 # How the QA notebooks, their results and the tests fit together:
 # - Each QA notebook (qa/*.ipynb except qa/verdicts.ipynb) takes papermill parameters in its first
@@ -31,6 +32,13 @@
 #   downloads llama-cpp-python's source archive and times the compilation of llama.cpp, which chapter 9
 #   weighs against the test command's budget. It needs the package registry and is regenerated only
 #   when asked (--llamacpp).
+# - qa/results/llamacpp_compare.json is the same kind of record: `python -m labcode.bench.llamacpp_compare`
+#   runs llama.cpp (the wheel the build just kept, installed into a temporary folder outside .venv and
+#   given with --site) on the course's real model beside the course's model and caches; only with --llamacpp.
+# - qa/results/*_long.json are long records: a QA notebook run on texts of a thousand tokens and more,
+#   minutes of every core, regenerated only when asked (--long). They are written by the QA notebook
+#   like every other result and compared by the same rules, by tests/test_qa.py when
+#   KVCV_LONG_RECORDS=1 is set; the test command checks their schema and committed checks only.
 #
 # If a QA run fails, the script stops with papermill's error; the executed notebook is kept in
 # qa/_runs/ for reading.
@@ -38,11 +46,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=0
 llamacpp=0
+long=0
 for arg in "$@"; do
   case "$arg" in
     --bench) bench=1 ;;
     --llamacpp) llamacpp=1 ;;
-    *) echo "usage: bash scripts/regenerate_results.sh [--bench] [--llamacpp]" >&2; exit 2 ;;
+    --long) long=1 ;;
+    *) echo "usage: bash scripts/regenerate_results.sh [--bench] [--llamacpp] [--long]" >&2; exit 2 ;;
   esac
 done
 unset MPLBACKEND  # a non-interactive backend set here would drop every figure from the notebooks
@@ -67,6 +77,19 @@ run_qa qa/windows.ipynb windows.json
 run_qa qa/real_model.ipynb real_model.json
 run_qa qa/serving.ipynb serving.json
 run_qa qa/rollback.ipynb rollback.json
+run_qa qa/smaller_caches.ipynb smaller_caches.json
+if [ "$long" = 1 ]; then
+  # Long records (<name>_long.json): the same QA notebooks on long texts, minutes of every core. The
+  # test command checks their schema and committed checks; to regenerate one into a temporary folder
+  # and compare it with the committed file by its rules instead of overwriting it, run
+  #   KVCV_LONG_RECORDS=1 .venv/bin/python -m pytest tests/test_qa.py -k _long
+  echo "regenerating the long records (tens of minutes of every core)"
+run_qa qa/smaller_caches.ipynb smaller_caches_long.json -p modules json,re,argparse \
+    -p n_context 1024 -p n_next 128 -p budget 128 -p kivi_residual 128 -p passkey_module typing \
+    -p passkey_filler 1024 -p depths 0.1,0.3,0.5,0.7,0.9 -p passkey_budgets 64,128,256
+run_qa qa/real_model.ipynb real_model_long.json -p modules json,typing -p n_tokens 2048 \
+    -p windows 64,256,1024
+fi
 # (tests/test_qa.py checks that every committed result has its line here.)
 if [ "$bench" = 1 ]; then
   echo "regenerating qa/results/bench.json (the benchmarks, several minutes)"
@@ -74,7 +97,12 @@ if [ "$bench" = 1 ]; then
 fi
 if [ "$llamacpp" = 1 ]; then
   echo "regenerating qa/results/llamacpp_build.json (downloads and compiles llama.cpp, minutes of every core)"
-  .venv/bin/python -m labcode.bench.llamacpp --out qa/results/llamacpp_build.json
+  lcpp_tmp="$(mktemp -d)"
+  trap 'rm -rf "$lcpp_tmp"' EXIT
+  .venv/bin/python -m labcode.bench.llamacpp --out qa/results/llamacpp_build.json --keep-wheel "$lcpp_tmp/wheel"
+  echo "regenerating qa/results/llamacpp_compare.json (llama.cpp on the real model, against the course's caches)"
+  .venv/bin/pip install --quiet --no-deps --target "$lcpp_tmp/site" "$lcpp_tmp"/wheel/llama_cpp_python-*.whl
+  .venv/bin/python -m labcode.bench.llamacpp_compare --out qa/results/llamacpp_compare.json --site "$lcpp_tmp/site"
 fi
 
 # Committed outputs: every QA notebook with its defaults (writing only under qa/_runs/), then the

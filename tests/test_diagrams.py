@@ -427,3 +427,39 @@ def test_three_answers_view_reads_the_positions_from_the_caches():
     plt.close(three_answers_figure(rows, [None, "a", "b"]))
     with pytest.raises(CacheError, match=r"window: expected fewer slots"):
         three_answers_view(model, ids, 7, text)
+
+
+def test_row_bytes_are_what_the_real_caches_hold():
+    """Chapter 13's opening picture: each lever's bytes per token, from the formulas, equal what a real cache of
+    that kind holds after a pass of `tokens` (float64 elements; chapter 9's int8 keeps float32 scales)."""
+    from labcode import GPT, GPTConfig
+    from labcode.caches import LatentCache, StreamingCache
+    from labcode.diagrams import row_bytes, row_bytes_figure
+    from labcode.engines import KIVICache, QuantizedCache
+
+    cfg = GPTConfig(vocab_size=13, context_length=40, n_layers=3, n_heads=4, n_kv_heads=2, d_model=32, rotary=True)
+    tokens = 30
+    ids = torch.randint(0, 13, (1, tokens), generator=torch.Generator().manual_seed(0))
+
+    def held(c, cache) -> float:  # bytes per token that `cache` holds after the pass
+        torch.manual_seed(0)
+        with torch.no_grad():
+            GPT(c).double().eval()(ids, cache)
+        return cache.nbytes / tokens
+
+    rows = row_bytes(cfg, tokens, rank=8, rope_dim=4, bits=2, group_size=4, residual=6, budget=8, share_every=2,
+                     element_bytes=8)
+    got = {r.label.split(":")[0]: r for r in rows}
+    assert [r.total for r in rows[:3]] == [held(cfg.with_(n_kv_heads=h), ConcatCache(3)) for h in (4, 2, 1)]
+    assert got["MLA"].total == held(cfg.with_(n_kv_heads=None, kv_latent=8, latent_rope_dim=4), LatentCache(3))
+    assert rows[4].total == held(cfg, QuantizedCache(3, bits=8))
+    kivi = KIVICache(3, bits=2, group_size=4, residual=6)
+    assert rows[5].total == held(cfg, kivi) and kivi.quantized() == 24  # 4 groups of 4 older than the latest 6
+    assert dict(rows[5].parts)["K and V"] == sum(s[n].nbytes for s in kivi.store for n in ("k_res", "v_res")) / tokens
+    assert rows[6].total == held(cfg, StreamingCache(3, budget=8))
+    assert rows[7].total == held(cfg.with_(n_layers=2), ConcatCache(2))  # layers 0 and 2 own their K/V
+    fig = row_bytes_figure(rows)
+    assert f"{rows[0].total:,.0f} B" in texts_of(fig.axes[0]) and _phone_px(fig) >= 9.5
+    plt.close(fig)
+    with pytest.raises(CacheError, match=r"expected grouped heads"):
+        row_bytes(cfg.with_(n_kv_heads=None), tokens, 8, 4)

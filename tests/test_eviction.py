@@ -1,4 +1,6 @@
-"""Eviction by score (H2O, SnapKV): the kept set on hand-made scores, the budget, and exactness when nothing drops.
+"""Eviction by score (H2O, SnapKV) and by position (StreamingCache): the kept set, the budget, exactness.
+
+The kept set is checked on hand-made scores; with a budget of the whole sequence nothing drops.
 
 Dropping keys changes the answers by design; what these tests hold the caches to is choosing the
 right keys, never holding more than they promise, and being the full cache when the budget is enough.
@@ -11,7 +13,7 @@ import torch
 from helpers import TOL64, build, max_diff, run_chunks
 
 from labcode import GPTConfig
-from labcode.caches import H2OCache, SnapKVCache
+from labcode.caches import H2OCache, SinkCache, SnapKVCache, StreamingCache
 from labcode.caches.scored import attention_weights, heavy_hitters, pool_votes, snap_select
 from labcode.masks import causal_mask
 from labcode.model import attend
@@ -147,3 +149,24 @@ def test_snapkv_compresses_the_prompt_once_then_grows():
     for i in range(25, 30):
         MODEL(IDS[:, i : i + 1], cache)
     assert cache.length() == 15 and cache.total_dropped == 15
+
+
+# -- eviction by position: StreamingLLM after each pass ----------------------------------------------------
+
+@pytest.mark.parametrize("budget, n_keep", [(8, 0), (8, 3), (5, 1)])
+def test_streaming_keeps_the_first_and_the_latest_after_a_long_pass(budget, n_keep):
+    cache = StreamingCache(2, budget, n_keep)
+    out = MODEL(IDS[:, :25], cache)  # one pass longer than the budget: its queries saw every key
+    assert max_diff(out, MODEL(IDS[:, :25])) <= TOL64
+    want = torch.cat((torch.arange(n_keep), torch.arange(25 - (budget - n_keep), 25)))
+    assert all((cache.kept[layer] == want).all() for layer in range(2)) and cache.last_dropped == 25 - budget
+
+
+@pytest.mark.parametrize("budget, n_keep", [(8, 0), (8, 3)])
+def test_streaming_fed_token_by_token_is_the_sink_cache(budget, n_keep):
+    """Each query sees the n_keep first keys and the latest budget - n_keep + 1 (its own included): the sink
+    cache with that window, which shifts before it writes."""
+    streaming, sinks = StreamingCache(2, budget, n_keep), SinkCache(2, budget - n_keep + 1, n_keep)
+    a = run_chunks(MODEL, IDS, streaming, [1] * 40)
+    b = run_chunks(MODEL, IDS, sinks, [1] * 40)
+    assert max_diff(a, b) <= TOL64 and max_diff(a, MODEL(IDS)) > 1e-3

@@ -47,7 +47,7 @@ _ALLOWED = re.compile(
     | ^\#{1,6}[ \t]+\d+(?:\.\d+)*\.?                          # numbered headings
     | \b(?:19|20)\d\d[a-z]?\b                                  # years, author-year citations
     | \b(?:GPT-?\d|SmolLM\d*|Llama[-\s]?\d(?:\.\d)?|LLaMA[-\s]?\d|Qwen\d(?:\.\d)?|
-         Mistral|Mixtral|DeepSeek-V\d|Gemma[-\s]?\d|Phi-\d)\b  # model families
+         Mistral|Mixtral|DeepSeek-V\d|Gemma[-\s]?\d+n?|Phi-\d|H2O)\b  # model and method names
     | \b\d+(?:\.\d+)?[MB]\b                                    # model sizes: 124M, 7B, 72B
     | \b(?:FlashAttention|Flash-Decoding|FA|PagedAttention)-?\d\b  # kernel versions
     | \bv\d+\b                                                # engine versions: vLLM's v1
@@ -187,6 +187,7 @@ def test_a_typed_number_is_caught(source):
         "Read from [the file](https://example.org/v2/file_3.rs).",
         "1. **First.** Then\n2. **Second**, at position 0 of layer 1, W - 1 rows, chapters 5 and\n6.",
         "Qwen2.5 7B and 72B, Llama 2 7B, vLLM v1, f32, Int8, Q4_1, SHA-256, pull request #3143.",
+        "H2O and SnapKV against Gemma 3n's shared layers and DeepSeek-V3.",
         "An inline formula $2 \\cdot L \\cdot\n B$ spans a line.",
     ],
 )

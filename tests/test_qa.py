@@ -14,6 +14,10 @@ fails the test. The regenerated file must then match the committed one:
   tolerance, or `recorded`, never compared); inside a `close` value, integers, booleans and strings
   are still compared exactly.
 
+A long record (`<name>_long.json`: a QA notebook run on long texts by `scripts/regenerate_results.sh
+--long`, minutes of every core) is regenerated and compared the same way only when asked
+(`KVCV_LONG_RECORDS=1`); otherwise its schema, parameters and committed checks are checked.
+
 Result files that no QA notebook writes are recorded benchmarks (`machine_dependent: true`, for
 example `bench.json` from `python -m labcode.bench --full`): they are validated against the schema
 and their committed checks must pass, but they are not regenerated here, because their timings
@@ -27,6 +31,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -40,6 +45,11 @@ QA_NOTEBOOKS = sorted(p for p in QA.glob("*.ipynb") if p.stem != "verdicts")
 ALL_COMMITTED = sorted((QA / "results").glob("*.json"))
 COMMITTED = [p for p in ALL_COMMITTED if (QA / f"{json.loads(p.read_text())['name']}.ipynb").exists()]
 RECORDED = [p for p in ALL_COMMITTED if p not in COMMITTED]  # benchmarks: recorded, never regenerated here
+# Long records: a QA notebook's run on long texts (`<name>_long.json`), minutes of every core. The test
+# command checks them like the benchmarks (schema, committed checks passed, the notebook's parameters);
+# the opt-in step regenerates them and compares them by their rules: KVCV_LONG_RECORDS=1.
+LONG = [p for p in COMMITTED if p.stem.endswith("_long")]
+REGENERATED = COMMITTED if os.environ.get("KVCV_LONG_RECORDS") == "1" else [p for p in COMMITTED if p not in LONG]
 
 
 def load(path: Path) -> dict:
@@ -152,6 +162,14 @@ def test_every_qa_notebook_has_a_committed_result_and_back():
     assert not not_benchmarks, f"results written by no QA notebook must be recorded benchmarks: {not_benchmarks}"
 
 
+def test_long_records_are_named_for_their_notebook_and_regenerated_when_asked():
+    script = (ROOT / "scripts" / "regenerate_results.sh").read_text()
+    for path in LONG:
+        assert path.stem == load(path)["name"] + "_long", path.name
+        assert (QA / "results" / f"{load(path)['name']}.json").exists(), f"{path.name}: its short run is missing"
+    assert "KVCV_LONG_RECORDS=1" in script and "--long" in script
+
+
 def test_regenerate_script_writes_every_committed_result():
     script = (ROOT / "scripts" / "regenerate_results.sh").read_text()
     lines = re.findall(r"^run_qa (qa/\S+\.ipynb) (\S+\.json)", script, flags=re.M)
@@ -202,7 +220,7 @@ def regenerated_by_nbval(path: Path, old: dict) -> Path | None:
     return out if load(out)["parameters"] == old["parameters"] else None
 
 
-@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", REGENERATED, ids=lambda p: p.name)
 def test_regenerated_result_matches_committed(path, tmp_path):
     """Every committed result, regenerated in this session: by nbval's run of its notebook when that ran
     with the committed parameters (every cell passed, so every check did), else by papermill here."""

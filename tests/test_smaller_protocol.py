@@ -1,4 +1,4 @@
-"""The smaller caches (latent, KIVI, H2O, SnapKV) under the course's contract, refusals and rollback.
+"""The smaller caches (latent, KIVI, H2O, SnapKV, streaming) under the course's contract, refusals and rollback.
 
 They are kept out of `helpers.FACTORIES`: the tests that enumerate it compare every kind with the
 full forward (or, for rollback, with a cache that rounds the same way), which a cache that drops or
@@ -15,7 +15,7 @@ import torch
 from helpers import build, rejected, run_chunks
 
 from labcode import GPTConfig
-from labcode.caches import CacheError, H2OCache, LatentCache, SnapKVCache
+from labcode.caches import CacheError, H2OCache, LatentCache, SnapKVCache, StreamingCache
 from labcode.caches.base import states_equal
 from labcode.engines import KIVICache
 
@@ -30,6 +30,7 @@ KINDS = {
     "kivi4": (PLAIN, lambda: KIVICache(2, bits=4, group_size=3, residual=2, value_group=2)),
     "h2o": (PLAIN, lambda: H2OCache(2, budget=6, recent=2)),
     "snapkv": (PLAIN, lambda: SnapKVCache(2, budget=6, window=2, kernel=3)),
+    "streaming": (PLAIN, lambda: StreamingCache(2, budget=6, n_keep=2)),
 }
 
 
@@ -129,7 +130,8 @@ def test_bad_appends_are_refused_and_change_nothing(kind):
 
 
 DEEPER = {"latent": lambda: LatentCache(3), "kivi2": lambda: KIVICache(3), "kivi4": lambda: KIVICache(3, bits=4),
-          "h2o": lambda: H2OCache(3, 4, 1), "snapkv": lambda: SnapKVCache(3, 4, 2)}
+          "h2o": lambda: H2OCache(3, 4, 1), "snapkv": lambda: SnapKVCache(3, 4, 2),
+          "streaming": lambda: StreamingCache(3, 4, 1)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -151,6 +153,8 @@ def test_a_cache_for_another_depth_is_refused(kind):
     (lambda: SnapKVCache(2, 4, window=5), r"window: expected an int in \[1, budget 4\]"),
     (lambda: SnapKVCache(2, 4, window=2, kernel=4), r"kernel: expected a positive odd width"),
     (lambda: SnapKVCache(2, 4, window=2, pool="median"), r"pool: expected one of \('max', 'avg'\)"),
+    (lambda: StreamingCache(2, 4, n_keep=4), r"n_keep: expected an int in \[0, budget 4\)"),
+    (lambda: StreamingCache(2, 4, n_keep=-1), r"n_keep: expected an int in \[0, budget 4\)"),
     (lambda: H2OCache(0, 4, 1), r"n_layers: expected a positive number of layers, got 0"),
 ])
 def test_bad_construction(make, match):
@@ -180,7 +184,7 @@ def test_the_latent_cache_refuses_heads_another_width_or_two_tensors():
     cache.cancel()
 
 
-@pytest.mark.parametrize("kind", ["h2o", "snapkv"])
+@pytest.mark.parametrize("kind", ["h2o", "snapkv", "streaming"])
 def test_observe_refuses_queries_that_do_not_fit_the_pass(kind):
     model, cache = _filled(kind)
     q = torch.zeros(2, 4, 1, 4, dtype=torch.float64)
@@ -215,7 +219,8 @@ def test_a_fork_after_drops_equals_a_cache_that_never_forked(kind):
 
 # -- rollback and reorder ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind, limit", [("latent", 10), ("kivi2", 1), ("kivi4", 2), ("h2o", 0), ("snapkv", 3)])
+@pytest.mark.parametrize("kind, limit", [("latent", 10), ("kivi2", 1), ("kivi4", 2), ("h2o", 0), ("snapkv", 3),
+                                         ("streaming", 0)])
 def test_rollback_is_exact_within_its_limit_and_refused_past_it(kind, limit):
     """KIVI can go back only within the residual beyond the latest R (older tokens are codes now), SnapKV only
     to the end of the compressed prompt, H2O not at all; within the limit, as if never written."""

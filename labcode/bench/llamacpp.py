@@ -26,7 +26,7 @@ from labcode.results import QAResult, exact, recorded
 
 VERSION = "0.3.36"
 CMAKE_ARGS = "-DGGML_NATIVE=OFF"  # portable: no -march=native, so the build is the same on every x86-64 machine
-TEST_COMMAND_BUDGET_S = 600  # the README's test command on a fresh clone, two cores
+TEST_COMMAND_BUDGET_S = 600  # what a setup step of the test command may take (the whole command: 15 minutes, 2 cores)
 
 
 def pip_command(action: str, version: str, dest: Path, source: str | None = None) -> list[str]:

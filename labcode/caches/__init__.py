@@ -8,7 +8,7 @@ from labcode.caches.latent import LatentCache
 from labcode.caches.naive import ModuleStateCache
 from labcode.caches.prealloc import PreallocatedCache
 from labcode.caches.ring import RingCache
-from labcode.caches.scored import H2OCache, SnapKVCache
+from labcode.caches.scored import H2OCache, SnapKVCache, StreamingCache
 from labcode.caches.sinks import SinkCache
 from labcode.caches.sliding import SlidingWindowCache
 from labcode.caches.styles import Request, as_cache
@@ -30,6 +30,7 @@ __all__ = [
     "SinkCache",
     "SlidingWindowCache",
     "SnapKVCache",
+    "StreamingCache",
     "WindowCache",
     "as_cache",
 ]

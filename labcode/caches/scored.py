@@ -255,3 +255,50 @@ class SnapKVCache(ScoredCache):
         self.kept = [t[:, :, :keep] for t in self.kept]
         if self.position == n:
             self.compressed = False  # back to an empty cache: the next pass is a prompt again
+
+
+class StreamingCache(ScoredCache):
+    """StreamingLLM applied after each pass, as eviction libraries apply it: keeps the first `n_keep` positions
+    (the sinks) and the latest `budget - n_keep`; no scores. With `n_keep = 0`, a plain window of `budget`.
+
+    Unlike `SinkCache`, a pass may be longer than the budget: its queries see every key of the pass and the
+    cache keeps the budget afterwards (a prompt prefilled whole, then compressed), the rule the scored caches
+    follow, so that all of them are compared at equal budgets.
+    """
+
+    def __init__(self, n_layers: int, budget: int, n_keep: int = 0) -> None:
+        super().__init__(n_layers, budget)
+        if not (is_int(n_keep) and 0 <= n_keep < budget):
+            fail("n_keep", f"an int in [0, budget {budget}) (the first positions always kept)", repr(n_keep),
+                 CacheError)
+        self.n_keep = n_keep
+
+    def _score(self, q: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor | None) -> None:
+        return None  # the positions decide: nothing to score
+
+    def _choose(self, layer: int, chunk: Chunk, said: torch.Tensor | None, s: int) -> torch.Tensor | None:
+        if s <= self.budget:
+            return None
+        b, hkv = chunk.shape[0], chunk.shape[1]
+        rows = torch.cat((torch.arange(self.n_keep), torch.arange(s - (self.budget - self.n_keep), s)))
+        return rows.to(chunk.device).expand(b, hkv, -1)
+
+    def rollback_limit(self) -> int:
+        """The positions written since the cache last dropped a key (all of them if it never did)."""
+        return self.position - self.evicted_at
+
+    def _commit(self, chunk: Chunk) -> None:
+        super()._commit(chunk)
+        if self.last_dropped:
+            self.evicted_at = self.position
+
+    def _rollback(self, n: int) -> None:
+        keep = self.length() - n
+        self.k, self.v = [t[:, :, :keep] for t in self.k], [t[:, :, :keep] for t in self.v]
+        self.kept = [t[:, :, :keep] for t in self.kept]
+
+    def reset(self) -> None:
+        super().reset()
+        self.evicted_at = 0
+
+    evicted_at = 0  # the position after the latest pass that dropped keys
