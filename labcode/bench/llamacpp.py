@@ -142,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"download {values['download_seconds']:.0f} s, build {values['build_seconds']:.0f} s "
               f"({values['build_cpu_seconds']:.0f} s of CPU on {values['cores']} cores): "
               f"{values['total_seconds'] / TEST_COMMAND_BUDGET_S:.0%} of the test command's budget")
+    return write_record(qa, args.out)
+
+
+def write_record(qa: QAResult, out: str | Path) -> int:
+    """Write a record; the exit status of the command that measured it (1, with the reason, when a check failed)."""
     try:
-        qa.write(args.out)
+        qa.write(out)
     except AssertionError as e:
         print(e)
         return 1

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from labcode.bench.llamacpp import VERSION
+from labcode.bench.llamacpp import VERSION, write_record
 from labcode.checks import fail, is_int
 from labcode.corpus import stdlib_text
 from labcode.engines.cells import CellsCache
@@ -479,12 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     qa, seconds = _timed(lambda: record(measure(binding, PARAMETERS, args.threads)))
     print(qa.report())
     print(f"measured in {seconds:.0f} s")
-    try:
-        qa.write(args.out)
-    except AssertionError as e:
-        print(e)
-        return 1
-    return 0
+    return write_record(qa, args.out)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,12 @@ class ScoredCache(PerLayerCache):
         self.total_dropped += dropped
         super()._commit(chunk)
 
+    def _rollback(self, n: int) -> None:
+        """The last n rows of every layer go (each kind says, by its limit, when they are its last positions)."""
+        keep = self.length() - n
+        self.k, self.v = [t[:, :, :keep] for t in self.k], [t[:, :, :keep] for t in self.v]
+        self.kept = [t[:, :, :keep] for t in self.kept]
+
     def _reorder(self, index: torch.Tensor) -> int:
         moved = super()._reorder(index)
         self.kept = [t.index_select(0, index.to(t.device)) for t in self.kept]
@@ -250,9 +256,7 @@ class SnapKVCache(ScoredCache):
         return self.position - self.prompt
 
     def _rollback(self, n: int) -> None:
-        keep = self.length() - n
-        self.k, self.v = [t[:, :, :keep] for t in self.k], [t[:, :, :keep] for t in self.v]
-        self.kept = [t[:, :, :keep] for t in self.kept]
+        super()._rollback(n)
         if self.position == n:
             self.compressed = False  # back to an empty cache: the next pass is a prompt again
 
@@ -272,6 +276,7 @@ class StreamingCache(ScoredCache):
             fail("n_keep", f"an int in [0, budget {budget}) (the first positions always kept)", repr(n_keep),
                  CacheError)
         self.n_keep = n_keep
+        self.evicted_at = 0  # the position after the latest pass that dropped keys
 
     def _score(self, q: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor | None) -> None:
         return None  # the positions decide: nothing to score
@@ -292,13 +297,6 @@ class StreamingCache(ScoredCache):
         if self.last_dropped:
             self.evicted_at = self.position
 
-    def _rollback(self, n: int) -> None:
-        keep = self.length() - n
-        self.k, self.v = [t[:, :, :keep] for t in self.k], [t[:, :, :keep] for t in self.v]
-        self.kept = [t[:, :, :keep] for t in self.kept]
-
     def reset(self) -> None:
         super().reset()
         self.evicted_at = 0
-
-    evicted_at = 0  # the position after the latest pass that dropped keys
