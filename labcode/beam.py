@@ -69,7 +69,7 @@ def beam_search(model: nn.Module, ids: torch.Tensor, width: int, steps: int, cac
     """Beam search on one cache whose batch rows are the beams, reordered by parent every step (the first
     step turns the prompt's one row into W)."""
     _check(model, ids, width, steps)
-    check_cache(cache, model.cfg.n_layers, model.cfg.sliding_window)
+    check_cache(cache, model.cfg.kv_layers, model.cfg.sliding_window)
     out = Beams(ids, torch.zeros(1, dtype=torch.float64, device=ids.device))
     logits = prefill(model, ids, cache)  # (1, V)
     for step in range(steps):

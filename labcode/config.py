@@ -37,6 +37,9 @@ class GPTConfig:
     # Multi-head latent attention (DeepSeek's MLA, the chapter on smaller caches; labcode/mla.py).
     kv_latent: int | None = None  # r: width of the latent each layer caches instead of K and V (None: no latent)
     latent_rope_dim: int | None = None  # width of MLA's rotary key, shared by the heads (None: D/2 if rotary, else 0)
+    # Cross-layer attention (CLA, the chapter on smaller caches): one layer in `kv_share` computes keys and
+    # values into the cache; the kv_share - 1 layers after it compute queries only and attend to its cache.
+    kv_share: int = 1
 
     def __post_init__(self) -> None:
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
@@ -62,6 +65,9 @@ class GPTConfig:
             "mlp": (self.mlp in MLPS, f"one of {MLPS}"),
             "d_ff": (is_int(self.d_ff) and self.d_ff > 0, "None or a positive int"),
             "bias": (isinstance(self.bias, bool), "True or False"),
+            "kv_share": (is_int(self.kv_share) and 0 < self.kv_share <= self.n_layers
+                         and (self.kv_share == 1 or self.kv_latent is None),
+                         f"an int in [1, n_layers {self.n_layers}], and 1 with kv_latent"),
         }
         for name, (ok, expected) in checks.items():
             if not ok:
@@ -99,6 +105,12 @@ class GPTConfig:
         if self.kv_latent is None:
             return self.n_kv_heads, self.head_dim
         return 1, self.kv_latent + self.latent_rope_dim
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers that own keys and values, which is the number of layers a cache for this model holds:
+        L, or ceil(L / kv_share) with cross-layer attention (layer l reads the cache's layer l // kv_share)."""
+        return -(-self.n_layers // self.kv_share)
 
     def with_(self, **changes) -> GPTConfig:
         """A copy with some fields changed (the config itself is frozen)."""

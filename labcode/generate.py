@@ -48,7 +48,7 @@ def check_prompt(model, ids: torch.Tensor, cache, chunk_size: int | None = None)
     The prompt must fit the position table and the cache's room, and its first chunk must be
     one the cache accepts (batch, dtype, device, chunk limit, plan): later chunks then are too.
     """
-    check_cache(cache, model.cfg.n_layers, model.cfg.sliding_window)
+    check_cache(cache, model.cfg.kv_layers, model.cfg.sliding_window)
     b, p = model.check_ids(ids)
     model.positions(None, cache.position, b, p)  # the whole prompt must fit the position table
     room = cache.room()
@@ -89,7 +89,7 @@ def _prefill(model, ids: torch.Tensor, cache, size: int) -> torch.Tensor:
 
 def decode_step(model, token: torch.Tensor, cache) -> torch.Tensor:
     """Run one new token per row, token [B], and return the next logits [B, V]."""
-    check_cache(cache, model.cfg.n_layers, model.cfg.sliding_window)
+    check_cache(cache, model.cfg.kv_layers, model.cfg.sliding_window)
     if not isinstance(token, torch.Tensor) or token.dim() != 1:
         fail("token", "a rank-1 tensor [B] of ids", getattr(token, "shape", type(token)))
     return _decode(model, token, cache)

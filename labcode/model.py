@@ -70,14 +70,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention that reads its past keys and values from a cache object."""
+    """Causal self-attention that reads its past keys and values from a cache object.
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    With cross-layer attention (`cfg.kv_share` > 1) only one layer in kv_share owns keys and values
+    (`owns_kv`); the others have no K/V projection and attend to the owner's, handed over in `shared`.
+    """
+
+    def __init__(self, cfg: GPTConfig, owns_kv: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
-        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias) if owns_kv else None
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         # State of the naive cache (chapter 3): held here only while `use_cache=True` is used.
         self.cache_k: torch.Tensor | None = None
@@ -85,9 +89,18 @@ class CausalSelfAttention(nn.Module):
         self.ptr_current_pos = 0
 
     def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, shared: dict | None = None) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C)
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        slot = layer // self.cfg.kv_share  # the cache layer this layer reads: its own unless layers share
+        if self.kv_proj is None:  # cross-layer attention: the owner's keys, values and mask, from this pass
+            if shared is None or slot not in shared:
+                fail("shared", f"the keys and values of layer {slot * self.cfg.kv_share}, which layer {layer} "
+                     "attends to (run the whole model)", "nothing")
+            k, v, mask = shared[slot]
+            q = rotate(q, positions, self.cfg.rope_base) if self.cfg.rotary else q
+            y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
+            return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
         k, v = self.kv_proj(x).view(b, t, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, Hkv, T, D)
         if self.cfg.rotary:
             q, k = rotate(q, positions, self.cfg.rope_base), rotate(k, positions, self.cfg.rope_base)
@@ -96,10 +109,12 @@ class CausalSelfAttention(nn.Module):
             mask = None if t == 1 else causal_mask(t, device=x.device) if w is None else sliding_window_mask(
                 t, 0, w, device=x.device)
         else:
-            k, v = cache.append(layer, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
-            mask = cache.mask(layer, t)
+            k, v = cache.append(slot, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
+            mask = cache.mask(slot, t)
             if hasattr(cache, "observe"):  # a cache that evicts by attention score sees the queries (H2O, SnapKV)
-                cache.observe(layer, q, k, mask)
+                cache.observe(slot, q, k, mask)
+        if shared is not None:  # the layers after this one that share its cache read these
+            shared[slot] = (k, v, mask)
         y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
@@ -147,17 +162,19 @@ def latent_attention(cfg: GPTConfig) -> nn.Module:
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, owns_kv: bool = True) -> None:
         super().__init__()
         self.ln_1 = norm(cfg)
-        self.attn = CausalSelfAttention(cfg) if cfg.kv_latent is None else latent_attention(cfg)
+        self.attn = CausalSelfAttention(cfg, owns_kv) if cfg.kv_latent is None else latent_attention(cfg)
         self.ln_2 = norm(cfg)
         self.mlp = feed_forward(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.ln_1(x), layer, positions, cache))
+                cache: KVCache | None = None, shared: dict | None = None) -> torch.Tensor:
+        h = self.ln_1(x)
+        a = self.attn(h, layer, positions, cache) if shared is None else self.attn(h, layer, positions, cache, shared)
+        x = x + self.resid_dropout(a)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -177,7 +194,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = None if cfg.rotary else nn.Embedding(cfg.context_length, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, owns_kv=i % cfg.kv_share == 0) for i in range(cfg.n_layers))
         self.ln_f = norm(cfg)
         self.current_pos = 0  # naive cache (chapter 3): model-level position counter
         self.apply(self._init_weights)
@@ -215,8 +232,9 @@ class GPT(nn.Module):
         """The pass: logits [B, T, V] for ids [B, T] through one cache object (None: one that keeps nothing),
         and the hidden state [B, T, C] after each block if asked (chapter 2)."""
         b, t = self.check_ids(ids)
-        cache = NoCache(len(self.blocks), self.cfg.sliding_window) if cache is None else cache
-        check_cache(cache, len(self.blocks), self.cfg.sliding_window)  # a cache cannot know the model: checked here
+        n = self.cfg.kv_layers  # the layers that own keys and values: all of them unless layers share
+        cache = NoCache(n, self.cfg.sliding_window) if cache is None else cache
+        check_cache(cache, n, self.cfg.sliding_window)  # a cache cannot know the model: checked here
         hkv, d = self.cfg.cached_kv  # Hkv heads of D, or one latent row (latent attention)
         placed = cache.begin((b, hkv, t, d), self.dtype, self.device)
         try:  # the cache refused nothing, so it writes from here on; a pass that fails commits nothing
@@ -225,9 +243,9 @@ class GPT(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(positions)
             x = self.drop(x)
-            hidden = []
+            hidden, shared = [], ({} if self.cfg.kv_share > 1 else None)  # owners' K/V for the layers sharing them
             for layer, block in enumerate(self.blocks):
-                x = block(x, layer, positions, cache)
+                x = block(x, layer, positions, cache, shared)
                 hidden.append(x)
             logits = F.linear(self.ln_f(x), self.tok_emb.weight)  # (B, T, V), tied head, no bias
         except BaseException:

@@ -90,7 +90,7 @@ class ModelDraft:
     distribution q at the target's temperature); after verification its cache rolls back to what was kept."""
 
     def __init__(self, model: nn.Module, cache: KVCache) -> None:
-        check_cache(cache, model.cfg.n_layers, model.cfg.sliding_window)
+        check_cache(cache, model.cfg.kv_layers, model.cfg.sliding_window)
         if cache.position:
             fail("cache", "an empty cache for the draft", f"one at position {cache.position}", CacheError)
         self.model, self.cache, self.passes = model, cache, 0

@@ -43,19 +43,19 @@ def property_configs(context_length: int) -> list[GPTConfig]:
 # kind -> (model, room, batch) -> an empty cache for `model` that holds `room` positions of `batch` rows without
 # dropping any. The window caches get exactly `room` slots (a test that wants drops gives a smaller room).
 FACTORIES: dict[str, Callable[[GPT, int, int], KVCache]] = {
-    "concat": lambda m, room, b: ConcatCache(m.cfg.n_layers),
-    "pairs": lambda m, room, b: PairsCache(m.cfg.n_layers),
-    "window": lambda m, room, b: WindowCache(m.cfg.n_layers, room),
-    "ring": lambda m, room, b: RingCache(m.cfg.n_layers, room),
-    "sliding": lambda m, room, b: SlidingWindowCache(m.cfg.n_layers, room + 1),  # keeps W - 1 = room rows
-    "sinks": lambda m, room, b: SinkCache(m.cfg.n_layers, room, n_keep=2),  # the first 2 and the latest `room`
-    "growable-linear": lambda m, room, b: GrowableCache(m.cfg.n_layers, 3),
-    "growable-double": lambda m, room, b: GrowableCache(m.cfg.n_layers, 3, policy="double"),
+    "concat": lambda m, room, b: ConcatCache(m.cfg.kv_layers),
+    "pairs": lambda m, room, b: PairsCache(m.cfg.kv_layers),
+    "window": lambda m, room, b: WindowCache(m.cfg.kv_layers, room),
+    "ring": lambda m, room, b: RingCache(m.cfg.kv_layers, room),
+    "sliding": lambda m, room, b: SlidingWindowCache(m.cfg.kv_layers, room + 1),  # keeps W - 1 = room rows
+    "sinks": lambda m, room, b: SinkCache(m.cfg.kv_layers, room, n_keep=2),  # the first 2 and the latest `room`
+    "growable-linear": lambda m, room, b: GrowableCache(m.cfg.kv_layers, 3),
+    "growable-double": lambda m, room, b: GrowableCache(m.cfg.kv_layers, 3, policy="double"),
     "naive": lambda m, room, b: (m.reset_kv_cache(), ModuleStateCache(m))[1],
-    "paged": lambda m, room, b: PagedCache(BlockPool(m.cfg.n_layers, n_blocks=-(-room // 3), block_size=3)),
-    "cells": lambda m, room, b: CellsCache(m.cfg.n_layers, room, n_seqs=2, default_seq=0),
-    "scattered": lambda m, room, b: ScatteredCache(m.cfg.n_layers, b, room),
-    "quantized": lambda m, room, b: QuantizedCache(m.cfg.n_layers, bits=8),
+    "paged": lambda m, room, b: PagedCache(BlockPool(m.cfg.kv_layers, n_blocks=-(-room // 3), block_size=3)),
+    "cells": lambda m, room, b: CellsCache(m.cfg.kv_layers, room, n_seqs=2, default_seq=0),
+    "scattered": lambda m, room, b: ScatteredCache(m.cfg.kv_layers, b, room),
+    "quantized": lambda m, room, b: QuantizedCache(m.cfg.kv_layers, bits=8),
 }
 CORE = ["concat", "pairs", "window", "ring", "sliding", "sinks", "growable-linear", "growable-double"]  # chapters 4-6
 ONE_ROW = {"paged", "cells"}  # kinds that hold one sequence (batch 1)

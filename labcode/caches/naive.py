@@ -51,9 +51,10 @@ class ModuleStateCache(KVCache):
     """
 
     def __init__(self, model) -> None:
-        super().__init__(len(model.blocks))
+        attns = [block.attn for block in model.blocks[:: model.cfg.kv_share]]  # the layers that own K/V
+        super().__init__(len(attns))
         self.model = model
-        self.attns = [block.attn for block in model.blocks]
+        self.attns = attns
 
     @property
     def position(self) -> int:

@@ -30,7 +30,7 @@ def as_cache(model, cache=None, return_cache: bool = False, use_cache: bool = Fa
                  f"{type(cache).__name__} and {return_cache}")
         return ModuleStateCache(model)
     if explicit:
-        return PairsCache(len(model.blocks), cache)
+        return PairsCache(model.cfg.kv_layers, cache)
     return cache  # a KVCache, or None (the model checks which)
 
 
@@ -67,7 +67,7 @@ class Request:
         if self.style == "naive":
             return ModuleStateCache(self.model)
         if self.style == "explicit":
-            return PairsCache(len(self.model.blocks), self.pairs)
+            return PairsCache(self.model.cfg.kv_layers, self.pairs)
         return self.cache
 
     def state(self) -> object:

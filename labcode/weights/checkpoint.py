@@ -16,6 +16,9 @@ from labcode.model import GPT
 
 DEFAULT_CHECKPOINT = Path(__file__).parent.parent / "data" / "tiny.pt"
 DRAFT_CHECKPOINT = DEFAULT_CHECKPOINT.with_name("draft.pt")  # the "draft" preset, trained the same way
+# Chapter 13's variants of the tiny model with half its cache, trained the same way.
+CLA_CHECKPOINT = DEFAULT_CHECKPOINT.with_name("tiny_cla.pt")  # cross-layer attention, kv_share=2
+GQA_CHECKPOINT = DEFAULT_CHECKPOINT.with_name("tiny_gqa.pt")  # grouped-query, two key/value heads
 
 
 def save_checkpoint(model: GPT, path: str | Path, meta: dict | None = None) -> None:
