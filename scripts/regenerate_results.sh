@@ -75,6 +75,7 @@ run_qa qa/hf_caches.ipynb hf_caches.json
 run_qa qa/distributed.ipynb distributed.json
 run_qa qa/windows.ipynb windows.json
 run_qa qa/real_model.ipynb real_model.json
+run_qa qa/real_windows.ipynb real_windows.json
 run_qa qa/serving.ipynb serving.json
 run_qa qa/rollback.ipynb rollback.json
 run_qa qa/smaller_caches.ipynb smaller_caches.json
@@ -89,6 +90,9 @@ run_qa qa/smaller_caches.ipynb smaller_caches_long.json -p modules json,re,argpa
     -p passkey_filler 1024 -p depths 0.1,0.3,0.5,0.7,0.9 -p passkey_budgets 64,128,256
 run_qa qa/real_model.ipynb real_model_long.json -p modules json,typing -p n_tokens 2048 \
     -p windows 64,256,1024
+run_qa qa/real_windows.ipynb real_windows_long.json -p texts "typing,inspect;asyncio,os" -p n_tokens 5120 \
+    -p sweep_windows 16,64,256,1024,4096 -p recompute_windows 64,256,1024 -p recompute_samples 32 \
+    -p schedule_window 256 -p schedule_tokens 1024 -p chunk_sizes 1,16,64,256
 fi
 # (tests/test_qa.py checks that every committed result has its line here.)
 if [ "$bench" = 1 ]; then
