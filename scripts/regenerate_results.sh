@@ -88,7 +88,7 @@ if [ "$long" = 1 ]; then
 run_qa qa/smaller_caches.ipynb smaller_caches_long.json -p modules json,re,argparse \
     -p n_context 1024 -p n_next 128 -p budget 128 -p kivi_residual 128 -p passkey_module typing \
     -p passkey_filler 1024 -p depths 0.1,0.3,0.5,0.7,0.9 -p passkey_budgets 64,128,256
-run_qa qa/real_model.ipynb real_model_long.json -p modules json,typing -p n_tokens 2048 \
+run_qa qa/real_model.ipynb real_model_long.json -p modules json,typing,logging -p n_tokens 2048 \
     -p windows 64,256,1024
 run_qa qa/real_windows.ipynb real_windows_long.json -p texts "typing,inspect;asyncio,os" -p n_tokens 5120 \
     -p sweep_windows 16,64,256,1024,4096 -p recompute_windows 64,256,1024 -p recompute_samples 32 \
