@@ -92,29 +92,30 @@ class CausalSelfAttention(nn.Module):
                 cache: KVCache | None = None, shared: dict | None = None) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C)
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        if self.cfg.rotary:
+            q = rotate(q, positions, self.cfg.rope_base)
         slot = layer // self.cfg.kv_share  # the cache layer this layer reads: its own unless layers share
         if self.kv_proj is None:  # cross-layer attention: the owner's keys, values and mask, from this pass
             if shared is None or slot not in shared:
                 fail("shared", f"the keys and values of layer {slot * self.cfg.kv_share}, which layer {layer} "
                      "attends to (run the whole model)", "nothing")
             k, v, mask = shared[slot]
-            q = rotate(q, positions, self.cfg.rope_base) if self.cfg.rotary else q
-            y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
-            return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
-        k, v = self.kv_proj(x).view(b, t, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, Hkv, T, D)
-        if self.cfg.rotary:
-            q, k = rotate(q, positions, self.cfg.rope_base), rotate(k, positions, self.cfg.rope_base)
-        if cache is None:  # this layer on its own (chapter 2): the T tokens see only each other
-            w = self.cfg.sliding_window
-            mask = None if t == 1 else causal_mask(t, device=x.device) if w is None else sliding_window_mask(
-                t, 0, w, device=x.device)
         else:
-            k, v = cache.append(slot, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
-            mask = cache.mask(slot, t)
-            if hasattr(cache, "observe"):  # a cache that evicts by attention score sees the queries (H2O, SnapKV)
-                cache.observe(slot, q, k, mask)
-        if shared is not None:  # the layers after this one that share its cache read these
-            shared[slot] = (k, v, mask)
+            kv = self.kv_proj(x).view(b, t, 2, self.n_kv_heads, self.head_dim)
+            k, v = kv.permute(2, 0, 3, 1, 4)  # (B, Hkv, T, D) each
+            if self.cfg.rotary:
+                k = rotate(k, positions, self.cfg.rope_base)
+            if cache is None:  # this layer on its own (chapter 2): the T tokens see only each other
+                w = self.cfg.sliding_window
+                mask = None if t == 1 else causal_mask(t, device=x.device) if w is None else sliding_window_mask(
+                    t, 0, w, device=x.device)
+            else:
+                k, v = cache.append(slot, k, v)  # (B, Hkv, S_total, D): the cached keys and values, then these
+                mask = cache.mask(slot, t)
+                if hasattr(cache, "observe"):  # an evicting cache sees the queries (H2O, SnapKV)
+                    cache.observe(slot, q, k, mask)
+            if shared is not None:  # the layers after this one that share its cache read these
+                shared[slot] = (k, v, mask)
         y = attend(q, k, v, mask, self.cfg.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
