@@ -65,7 +65,7 @@ def test_result_holds_every_measurement(bench_run):
     values = bench_run[0]["values"]
     for key in ("machine", "append", "append_attention", "generation", "floor", "linear_layouts", "targets",
                 "elapsed_s", "roofline_machine", "roofline", "roofline_summary", "batch", "floor_ops",
-                "window_vs_concat", "memory"):
+                "window_vs_concat", "memory", "compiled"):
         assert key in values, key
     assert set(values["append"]) == {"candle", "long"}
     for run in values["append"].values():
@@ -91,7 +91,8 @@ def test_checks_are_about_correctness_and_pass(bench_run):
     doc, _ = bench_run
     names = {c["name"] for c in doc["checks"]}
     assert {"flops_full_forward", "flops_decode_step", "attention_methods_agree", "products_only_logits",
-            "lean_logits", "memory_allocation"} <= names
+            "lean_logits", "memory_allocation", "fused_step_float64_window", "fused_step_float64_concat",
+            "fused_step_logits_tiny"} <= names
     assert not any("speed" in n or "floor" in n for n in names), "timings must never be checks"
     assert doc["passed"], [c for c in doc["checks"] if not c["passed"]]
 
@@ -99,7 +100,8 @@ def test_checks_are_about_correctness_and_pass(bench_run):
 def test_targets_are_reported_not_enforced(bench_run):
     targets = bench_run[0]["values"]["targets"]
     assert {t["name"] for t in targets} >= {"slice_write_flat", "slice_vs_cat_long", "decode_near_floor",
-                                            "decode_near_floor_lean", "window_not_slower", "roofline_prediction"}
+                                            "decode_near_floor_lean", "window_not_slower", "roofline_prediction",
+                                            "compiled_near_floor_tiny", "compiled_speedup_tiny"}
     for t in targets:
         assert isinstance(t["met"], bool) and isinstance(t["measured"], float)
         assert ("reason" in t) == (not t["met"]), t  # a target not met says why, measured
@@ -141,7 +143,7 @@ def test_every_figure_is_written(bench_run):
         f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "floor", "roofline",
                                    "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
                                    "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput",
-                                   "append_medians"))
+                                   "append_medians", "compiled"))
     assert all(p.stat().st_size > 5000 for p in plots)
 
 
@@ -153,7 +155,8 @@ def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
 
     values = bench_run[0]["values"]
     for name in ("roofline", "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
-                 "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput", "append_medians"):
+                 "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput", "append_medians",
+                 "compiled"):
         fig = PLOTS[name](values)
         try:
             fig.canvas.draw()  # tick labels get their text when drawn

@@ -9,7 +9,9 @@ a warm-up, summarised by medians and ratios:
      operation (`floor_ops`), and the window cache against the concatenating one;
   5. the roofline: the machine measured once, every prefill, decode and uncached call
      predicted and timed (`roofline`); decode against the batch size (`batch`);
-  6. how many sequences fit in memory, checked by allocating the caches (`memory`).
+  6. how many sequences fit in memory, checked by allocating the caches (`memory`);
+  7. the decode step fused and compiled against the model's eager step and the floor, at
+     every preset and the real model (`compiled`; the test sizes never compile).
 Timings are recorded, never compared: the result file is `machine_dependent`, every
 value's rule is `recorded`, its checks are about correctness only, and the targets
 are values with a `met` flag (and the measured reason where not met).
@@ -27,6 +29,7 @@ import torch
 from labcode.bench.append import KINDS as APPEND_KINDS
 from labcode.bench.append import AppendSetup, bench_append, bench_append_attention
 from labcode.bench.batch import bench_batch, critical_batch_curve
+from labcode.bench.compiled import bench_compiled, compiled_targets, float64_check
 from labcode.bench.decode import (
     ProductsOnly,
     bench_floor,
@@ -109,6 +112,14 @@ class Sizes:
         ("gpt2-124m", (1, 2, 4, 8, 16), (128, 896)),
     )
     batch_steps: int = 5
+    # the fused decode step, eager and compiled, against the floor (labcode.bench.compiled); positions as fractions
+    # of each preset's buffers (its context, at most `compiled_capacity`); `compile` False times the eager steps only
+    compiled_presets: tuple[str, ...] = ("tiny", "small", "gpt2-124m", "smollm2-135m")
+    compiled_positions: tuple[float, ...] = (0.125, 0.5, 0.875)
+    compiled_capacity: int = 1024
+    compiled_steps: int = 7
+    compiled_rounds: int = 3
+    compile: bool = True
     # how many sequences fit (labcode.bench.memory)
     memory_budget_gib: float = 16.0
     memory_lengths: tuple[int, ...] = (100, 500, 1000)
@@ -125,7 +136,8 @@ SIZES = {
                    roofline_presets=("small", "tiny"), roofline_prefill=((16, 0), (128, 0)),
                    roofline_decode=(0.0, 1.0), roofline_uncached=(64,), roofline_repeats=3,
                    roofline_min_s=0.2, overhead_min_s=0.2,
-                   batch_runs=(("tiny", (1, 4, 16), (16,)), ("small", (1, 4, 16), (128,))), batch_steps=3),
+                   batch_runs=(("tiny", (1, 4, 16), (16,)), ("small", (1, 4, 16), (128,))), batch_steps=3,
+                   compiled_presets=("tiny", "small"), compiled_steps=5, compiled_rounds=2),
     "test": Sizes(append_layers=3, append_prefills=(16, 256), append_decode=4, append_rounds=1,
                   attention_decode=4, attention_rounds=1, generation=(("micro", 4, 5, 1), ("tiny", 4, 5, 1)),
                   floor_preset="tiny", floor_positions=(0, 40), floor_steps=2, floor_rounds=1,
@@ -135,7 +147,8 @@ SIZES = {
                   roofline_decode=(0.0, 0.5), roofline_uncached=(16,), roofline_repeats=2,
                   roofline_min_s=0.0, roofline_overhead_steps=1, overhead_min_s=0.0,
                   batch_runs=(("tiny", (1, 2), (8,)),), batch_steps=2, memory_budget_gib=0.001,
-                  memory_lengths=(20,), memory_block_size=8, overhead_preset="tiny", rows_shape=(256, 64)),
+                  memory_lengths=(20,), memory_block_size=8, overhead_preset="tiny", rows_shape=(256, 64),
+                  compiled_presets=("tiny",), compiled_steps=2, compiled_rounds=1, compile=False),
 }
 
 
@@ -193,6 +206,8 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     _floor_benchmarks(res, sizes, device, model, progress)
     del models, model
     lap("floor")
+    _compiled_benchmarks(res, sizes, device, progress)
+    lap("compiled")
     res.value("memory", _memory(sizes), TIMED)
     lap("memory")
     _flop_checks(res)
@@ -305,6 +320,42 @@ def _floor_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, model, 
                                                              progress=bar), TIMED)
     if sizes.profile_steps:
         res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), TIMED)
+
+
+def compiled_model(preset: str, device: torch.device) -> GPT:
+    """The model a compiled-step benchmark runs: the real model (float32) for "smollm2-135m", else `random_model`."""
+    if preset == "smollm2-135m":
+        from labcode.weights.smollm2 import load_smollm2
+
+        return load_smollm2(torch.float32, device)[0].eval()
+    return random_model(preset, device)
+
+
+def _compiled_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:
+    """The model's eager decode step, the fused step eager and compiled, and the floor, for every preset."""
+    streamer = Streamer(sizes.bandwidth_mbytes, device)
+    runs = {}
+    with _bar(sizes.compiled_rounds * len(sizes.compiled_positions) * len(sizes.compiled_presets), "compiled",
+              progress) as bar:
+        for preset in sizes.compiled_presets:
+            model = compiled_model(preset, device)
+            cap = min(model.cfg.context_length, sizes.compiled_capacity)
+            positions = tuple(int(f * cap) for f in sizes.compiled_positions)
+            runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
+                                          streamer, capacity=cap, compile=sizes.compile,
+                                          concat=preset == sizes.floor_preset, progress=bar)
+            del model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        exact = float64_check(GPT(get_config("tiny")).double().eval(), compile=sizes.compile)
+    res.value("compiled", {"runs": runs, "float64": exact, "compiled": sizes.compile}, TIMED)
+    for kind, run in exact.items():
+        res.check(f"fused_step_float64_{kind}", f"the fused decode step ({'compiled' if sizes.compile else 'eager'}"
+                  f", {kind} cache) equals the model's full pass at tiny in float64", run["max_logit_diff"], 1e-12,
+                  "<=")
+    for preset, run in runs.items():
+        res.check(f"fused_step_logits_{preset}", f"every fused decode step computes the model's logits at {preset} "
+                  "(float32)", max(run["max_logit_diff"].values()), 1e-3, "<=")
 
 
 def _memory(sizes: Sizes) -> dict:
@@ -532,6 +583,7 @@ def targets(values: dict, tolerance: float = 1.5) -> list[dict]:
         if floor["preset"] == preset:  # context: the largest speedup a cache could show if decode ran at the floor
             t["speedup_at_floor"] = speedup_at_floor(run, floor)
         out.append(t)
+    out.extend(compiled_targets(values.get("compiled")))
     for t in out:
         m, g = t["measured"], t["target"]
         t["met"] = bool({"<=": m <= g, ">=": m >= g, ">": m > g}[t["comparison"]])

@@ -347,6 +347,30 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
     return fig
 
 
+def plot_compiled(values: dict, target: float = 1.3) -> Figure:
+    """The decode step over its floor at every preset (the worst measured position): the model's eager step,
+    the fused step eager, and compiled where it was."""
+    runs = values["compiled"]["runs"]
+    presets = list(runs)
+    names = [n for n in ("eager model", "fused eager", "compiled") if all(n in r["variants"] for r in runs.values())]
+    fig, ax = figure(height=1.2 + 0.9 * len(presets))
+    h = 0.8 / len(names)
+    for i, (name, color) in enumerate(zip(names, SERIES, strict=False)):
+        y = [k + (i - (len(names) - 1) / 2) * h for k in range(len(presets))]
+        ax.barh(y, [max(runs[p]["variants"][name]["over_floor"]) for p in presets], height=h * 0.9, color=color,
+                label={"eager model": "the model, eager"}.get(name, name))
+    ax.axvline(target, color=TARGET, ls="--", lw=1.2, label=f"target {target}x")
+    ax.axvline(1.0, color=INK, lw=1)
+    ax.set(xscale="log", xlabel="step time / floor (worst position)", yticks=range(len(presets)),
+           yticklabels=presets)
+    ax.invert_yaxis()
+    _plain(ax, "x")
+    ax.grid(True, axis="x")
+    ax.grid(False, axis="y")
+    fig.legend(loc="outside lower center", ncol=2)
+    return fig
+
+
 def plot_rows(values: dict) -> Figure:
     """FLOP/s of products with R rows through one weight, against the roofline at their intensity: the soft ridge."""
     mach = values["roofline_machine"]
@@ -461,6 +485,7 @@ PLOTS = {
     "overhead_crossover": plot_overhead_crossover,
     "latency_throughput": plot_latency_throughput,
     "append_medians": plot_append_medians,
+    "compiled": plot_compiled,
 }
 
 

@@ -1,0 +1,457 @@
+"""The decode step a compiler can fuse: static buffers, fused weights, one function per step.
+
+Introduced in chapter 7. `FusedDecode` is the cached decode step of any course model
+without a sliding window or a latent (GPT-2 or Llama-family, GQA, cross-layer sharing)
+rewritten the way engines write it: Q, K and V come out of one fused projection (and the
+SwiGLU gate and up of another), the keys and values live in one preallocated buffer per
+layer, the new position is written in place, and one query attends through
+`scaled_dot_product_attention`. Its shapes depend only on the batch, the capacity and the
+number of keys read, so `torch.compile` turns the whole step into one graph that inductor
+fuses (`compiled()`), recompiling for nothing but a new number of keys, which it treats as
+a symbol. The eager step and the compiled one compute the model's logits; the test
+command proves the eager step equal to the model (float64, 1e-12) and the benchmark
+compares the compiled one against both.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from labcode.checks import fail
+from labcode.model import GPT
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
+    if rms:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def _rotate_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary turn of x [B, H, D] at one position (cos, sin [D/2]): the pairs (i, i + D/2), as the model's."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class FusedDecode:
+    """One cached decode position of `model` at batch `batch`, into buffers of `capacity` positions.
+
+    `prefill(ids)` fills the buffers with the model's own pass; `step(ids [B, 1]) -> logits [B, V]`
+    decodes one position, writes its K/V at `self.position` and advances it. `step_fn` is the
+    pure function of (ids, position, number of keys) the compiler sees; `compiled()` swaps in
+    its compiled form and returns the seconds the first call took.
+    """
+
+    def __init__(self, model: GPT, capacity: int | None = None, batch: int = 1, concat: bool = False) -> None:
+        cfg = model.cfg
+        if cfg.sliding_window is not None or cfg.kv_latent is not None:
+            fail("FusedDecode model", "full attention with K/V heads (no sliding window, no latent)",
+                 f"sliding_window={cfg.sliding_window}, kv_latent={cfg.kv_latent}")
+        capacity = cfg.context_length if capacity is None else capacity
+        if not 0 < capacity <= cfg.context_length:
+            fail("FusedDecode capacity", f"1..context_length {cfg.context_length}", capacity)
+        self.model, self.cfg, self.capacity, self.batch, self.concat = model, cfg, capacity, batch, concat
+        self.rms, self.swiglu = cfg.norm == "rmsnorm", cfg.mlp == "swiglu"
+        dev, dt = model.device, model.dtype
+
+        def w(t):
+            return None if t is None else t.detach()
+
+        def cat(*ts):  # fused weights keep the storage order of their parts (`labcode.bench.layout`)
+            out = torch.cat([t.detach() for t in ts])
+            return out.t().contiguous().t() if ts[0].dim() == 2 and ts[0].stride(0) == 1 else out
+
+        self.layers = []
+        with torch.no_grad():
+            for b in model.blocks:
+                a = b.attn
+                qkv_w = a.q_proj.weight if a.kv_proj is None else cat(a.q_proj.weight, a.kv_proj.weight)
+                qkv_b = None if a.q_proj.bias is None else (
+                    a.q_proj.bias if a.kv_proj is None else cat(a.q_proj.bias, a.kv_proj.bias))
+                if self.swiglu:
+                    up_w = cat(b.mlp.gate.weight, b.mlp.up.weight)
+                    up_b = None if b.mlp.gate.bias is None else cat(b.mlp.gate.bias, b.mlp.up.bias)
+                    down_w, down_b = b.mlp.down.weight, b.mlp.down.bias
+                else:
+                    up_w, up_b, down_w, down_b = b.mlp[0].weight, b.mlp[0].bias, b.mlp[2].weight, b.mlp[2].bias
+                self.layers.append({"ln1": (w(b.ln_1.weight), w(getattr(b.ln_1, "bias", None))),
+                                    "ln2": (w(b.ln_2.weight), w(getattr(b.ln_2, "bias", None))),
+                                    "qkv": (w(qkv_w), w(qkv_b)), "out": (w(a.out_proj.weight), w(a.out_proj.bias)),
+                                    "up": (w(up_w), w(up_b)), "down": (w(down_w), w(down_b)),
+                                    "owns": a.kv_proj is not None})
+        self.lnf = (w(model.ln_f.weight), w(getattr(model.ln_f, "bias", None)))
+        self.emb = model.tok_emb.weight.detach()
+        self.pos_emb = None if model.pos_emb is None else model.pos_emb.weight.detach()
+        hkv, d = cfg.n_kv_heads, cfg.head_dim
+        # one buffer per cache layer, [B, Hkv, capacity, D]: each written one row per step, in place (made in
+        # inference mode, as every tensor the step sees: the compiled step checks that it is the same kind)
+        with torch.inference_mode():
+            self.k = [torch.zeros(batch, hkv, capacity, d, device=dev, dtype=dt) for _ in range(cfg.kv_layers)]
+            self.v = [torch.zeros_like(k) for k in self.k]
+        if cfg.rotary:  # the model's angles: positions times frequencies in float64, cos and sin cast after
+            inv = cfg.rope_base ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d)
+            ang = torch.arange(capacity, device=dev, dtype=torch.float64).unsqueeze(-1) * inv
+            self.cos, self.sin = ang.cos().to(dt), ang.sin().to(dt)
+        self.full = (self.k, self.v)  # concat: the rows are views of these, and a step makes new tensors
+        if concat:
+            self.reset(0)
+        self.gqa = bool(cfg.n_heads != hkv)  # a plain bool: the compiler must not make it a symbol
+        self.position = 0
+        self.fn = self.step_fn
+
+    def reset(self, position: int = 0) -> None:
+        """Go back to `position` (the rows before it as the buffers hold them): timings restart from one state."""
+        self.position = position
+        if self.concat:
+            with torch.inference_mode():  # contiguous, as every tensor a concatenating step makes
+                self.k = [k[:, :, :position].contiguous() for k in self.full[0]]
+                self.v = [v[:, :, :position].contiguous() for v in self.full[1]]
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Fill the buffers from a prompt ids [B, T] with the model's pass; return its last logits [B, V]."""
+        from labcode.caches import WindowCache
+
+        b, t = ids.shape
+        if b != self.batch or self.position + t > self.capacity:
+            fail("prefill ids", f"[{self.batch}, <= {self.capacity - self.position}]", tuple(ids.shape))
+        cache = WindowCache(self.cfg.kv_layers, self.capacity)
+        if self.position:
+            fail("prefill", "an empty step (reset() first)", f"position {self.position}")
+        logits = self.model(ids, cache)
+        for layer in range(self.cfg.kv_layers):
+            self.full[0][layer][:, :, :t] = cache.k[layer][:, :, :t]
+            self.full[1][layer][:, :, :t] = cache.v[layer][:, :, :t]
+        self.reset(t)
+        return logits[:, -1]
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of one new position ids [B, 1]; its K/V written at `position`, which advances."""
+        n = self.position
+        if tuple(ids.shape) != (self.batch, 1):
+            fail("step ids", f"shape ({self.batch}, 1)", tuple(ids.shape))
+        if n >= self.capacity:
+            fail("step", f"a free position (capacity {self.capacity})", f"position {n}")
+        pos = torch.tensor([n], device=ids.device)  # the write position, as a tensor
+        out = self.fn(ids.clone(memory_format=torch.contiguous_format), pos, n + 1)
+        self.position = n + 1
+        return out
+
+    def step_fn(self, ids: torch.Tensor, pos: torch.Tensor, keys: int) -> torch.Tensor:
+        """The pure step: embed, every block, the head. Writes row `pos` [1] of every layer's K and V and
+        attends to the first `keys` rows (pos + 1; the compiler sees one symbol for it, not one graph per step)."""
+        cfg, eps, rms = self.cfg, self.cfg.norm_eps, self.rms
+        b, h, hkv, d = self.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        x = F.embedding(ids[:, 0], self.emb)  # (B, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb[pos]
+        if cfg.rotary:
+            cos, sin = self.cos[pos], self.sin[pos]  # (1, D/2)
+        for i, lay in enumerate(self.layers):
+            slot = i // cfg.kv_share
+            a = _norm(x, *lay["ln1"], eps, rms)
+            qkv = F.linear(a, *lay["qkv"])  # (B, H D + 2 Hkv D): one weight read for Q, K and V
+            q = qkv[:, : h * d].view(b, h, d)
+            if cfg.rotary:
+                q = _rotate_one(q, cos, sin)
+            if lay["owns"]:
+                k_new, v_new = qkv[:, h * d :].view(b, 2, hkv, d).unbind(1)  # (B, Hkv, D) each
+                if cfg.rotary:
+                    k_new = _rotate_one(k_new, cos, sin)
+                if self.concat:  # a new tensor of n + 1 rows: every cached row copied, every step
+                    self.k[slot] = torch.cat((self.k[slot], k_new.unsqueeze(2)), 2)
+                    self.v[slot] = torch.cat((self.v[slot], v_new.unsqueeze(2)), 2)
+                else:  # one row written in place
+                    self.k[slot].index_copy_(2, pos, k_new.unsqueeze(2))
+                    self.v[slot].index_copy_(2, pos, v_new.unsqueeze(2))
+            k_all, v_all = self.k[slot][:, :, :keys], self.v[slot][:, :, :keys]  # (B, Hkv, keys, D): views
+            y = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, enable_gqa=self.gqa)  # (B, H, 1, D)
+            x = x + F.linear(y.reshape(b, h * d), *lay["out"])
+            m = _norm(x, *lay["ln2"], eps, rms)
+            up = F.linear(m, *lay["up"])
+            if self.swiglu:
+                gate, up = up.chunk(2, dim=-1)
+                up = F.silu(gate) * up
+            else:
+                up = F.gelu(up, approximate="tanh")
+            x = x + F.linear(up, *lay["down"])
+        return F.linear(_norm(x, *self.lnf, eps, rms), self.emb)  # (B, V), the tied head
+
+    @torch.inference_mode()
+    def compiled(self, mode: str | None = None) -> float:
+        """Compile `step_fn` (inductor, the number of keys a symbol); return the seconds its first two calls took.
+
+        They run at two scratch positions near the end, then the buffers and the position are put back."""
+        # every FusedDecode compiles the same code for its own tensors: room for all of them in the code cache
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.fn = torch.compile(self.step_fn, dynamic=True, mode=mode, fullgraph=True)
+        keep, position = [t.clone() for t in self.full[0] + self.full[1]], self.position
+        ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.model.device)
+        t0 = time.perf_counter()
+        for n in (self.capacity - 3, self.capacity - 2):
+            self.reset(n)
+            self.step(ids)
+        seconds = time.perf_counter() - t0
+        for buf, kept in zip(self.full[0] + self.full[1], keep, strict=True):
+            buf.copy_(kept)
+        self.reset(position)
+        return seconds
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmark: the model's eager step, the fused step eager and compiled, against the floor, side by side.
+
+VARIANTS = ("eager model", "fused eager", "compiled", "compiled concat")
+
+
+def step_bytes(model: GPT, keys: int, batch: int = 1) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) a decode step must read: every weight once (one row of a position table), and
+    the K and V of `keys` positions, the new one included, per sequence."""
+    cfg = model.cfg
+    weights = sum(p.nbytes for n, p in model.named_parameters() if "pos_emb" not in n)
+    if model.pos_emb is not None:
+        weights += model.pos_emb.weight[0].nbytes
+    kv = 2 * cfg.kv_layers * batch * keys * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
+    return weights, kv
+
+
+class _ModelStep:
+    """The course model's own cached decode step (`decode_step` on a `WindowCache`), restartable at a position."""
+
+    def __init__(self, model: GPT, capacity: int) -> None:
+        from labcode.bench.roofline import fill_cache
+        from labcode.caches import WindowCache
+
+        self.model, self.cache, self.fill = model, WindowCache(model.cfg.kv_layers, capacity), fill_cache
+        self.token = torch.zeros(1, dtype=torch.long, device=model.device)
+
+    def reset(self, position: int) -> None:
+        if position > self.cache.position:
+            self.fill(self.cache, self.model, 1, position - self.cache.position)
+        self.cache.rollback(self.cache.position - position)
+
+    @torch.inference_mode()
+    def step(self, _ids=None) -> torch.Tensor:
+        from labcode.generate import decode_step
+
+        return decode_step(self.model, self.token, self.cache)
+
+
+def _timed_steps(runner, position: int, steps: int) -> list[float]:
+    """Seconds of `steps` consecutive steps from `position` (after one untimed step there)."""
+    from labcode.bench.timing import sync
+
+    ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
+    runner.reset(position)
+    runner.step(ids)
+    runner.reset(position)
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.step(ids)
+        sync(runner.model.device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def profile_step(runner, position: int, steps: int = 3) -> dict:
+    """Seconds per step of each kind of operation in `runner`'s step at `position`, from torch.profiler's table.
+
+    Products with weights are the addmm/mm calls, attention the SDPA kernels (or the eager model's bmm and
+    softmax); the
+    rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _timed_steps(runner, position, 1)
+    runner.reset(position)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.step(ids)
+        wall = (time.perf_counter() - t0) / steps
+    kinds = {"products with weights": 0.0, "attention": 0.0}
+    for e in prof.key_averages():
+        name = e.key
+        if name in ("aten::addmm", "aten::mm", "aten::addmv", "aten::mv"):
+            kinds["products with weights"] += e.self_cpu_time_total / 1e6 / steps
+        elif "scaled_dot_product" in name or "flash_attention" in name or name in ("aten::bmm", "aten::_softmax"):
+            kinds["attention"] += e.self_cpu_time_total / 1e6 / steps
+    kinds["other"] = max(0.0, wall - sum(kinds.values()))
+    return {"position": position, "step_s": wall, "s_per_step": kinds}
+
+
+def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int, rounds: int, streamer,
+                   capacity: int | None = None, concat: bool = True, compile: bool = True, progress=None) -> dict:
+    """The decode step of `model` four ways, side by side, against the floor of the bytes it must read.
+
+    In each round every variant (`VARIANTS`; `concat=False` leaves out the compiled concatenating
+    step, `compile=False` both compiled ones: the test command never compiles) times `steps` steps
+    from each position, in rotating order, and the streaming bandwidth is measured again in the same
+    round: the floor of a step is its bytes over that bandwidth.
+    Returns medians per position: seconds, tokens/s, bytes/s achieved and the ratio to the
+    floor, with the compile seconds, the largest logit difference of each variant from the
+    model's step, and the compiled step taken apart by operation kind at the middle position.
+    """
+    from labcode.bench.timing import median, rotated
+
+    cfg = model.cfg
+    capacity = min(cfg.context_length, capacity or cfg.context_length)
+    positions = [p for p in positions if p + steps + 2 <= capacity - 3]
+    runners = {"eager model": _ModelStep(model, capacity), "fused eager": FusedDecode(model, capacity)}
+    compile_s = {}
+    if compile:
+        runners["compiled"] = FusedDecode(model, capacity)
+        compile_s["compiled"] = runners["compiled"].compiled()
+    if compile and concat:
+        runners["compiled concat"] = FusedDecode(model, capacity, concat=True)
+        compile_s["compiled concat"] = runners["compiled concat"].compiled()
+    names = list(runners)
+    diffs = _logit_diffs(model, runners, positions[-1])
+    times = {n: {p: [] for p in positions} for n in names}
+    bandwidth = {p: [] for p in positions}
+    for r in range(rounds):
+        for i, p in enumerate(positions):
+            for n in rotated(names, r + i):
+                times[n][p].extend(_timed_steps(runners[n], p, steps))
+            bandwidth[p].append(streamer.measure()["best"])
+            if progress is not None:
+                progress.update(1)
+    weights, _ = step_bytes(model, 1)
+    floor_bytes = [sum(step_bytes(model, p + 1 + (steps - 1) // 2)) for p in positions]
+    bw = [median(bandwidth[p]) for p in positions]
+    floor_s = [b / w for b, w in zip(floor_bytes, bw, strict=True)]
+    variants = {}
+    for n in names:
+        step_s = [median(times[n][p]) for p in positions]
+        variants[n] = {"step_s": step_s, "tokens_per_s": [1 / s for s in step_s],
+                       "bytes_per_s": [b / s for b, s in zip(floor_bytes, step_s, strict=True)],
+                       "over_floor": [s / f for s, f in zip(step_s, floor_s, strict=True)]}
+    middle = positions[len(positions) // 2]
+    parts = {n: profile_step(runners[n], middle) for n in ("eager model", fastest_variant(names))}
+    _, kv = step_bytes(model, middle + 1)
+    for part in parts.values():
+        part["bytes"] = {"products with weights": weights, "attention": kv}
+        part["bytes_per_s"] = {k: part["bytes"][k] / s for k, s in part["s_per_step"].items()
+                               if k in part["bytes"] and s > 0}
+    return {"preset": name, "device": model.device.type, "dtype": str(model.dtype).removeprefix("torch."),
+            "config": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
+                       "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "norm": cfg.norm, "mlp": cfg.mlp},
+            "capacity": capacity, "positions": positions, "steps": steps, "rounds": rounds,
+            "weight_bytes": weights, "floor_bytes": floor_bytes, "bandwidth_bytes_per_s": bw, "floor_s": floor_s,
+            "compile_s": compile_s, "variants": variants, "max_logit_diff": diffs, "operations": parts,
+            "speedup": {n: [e / s for e, s in zip(variants["eager model"]["step_s"], variants[n]["step_s"],
+                                                    strict=True)] for n in names}}
+
+
+@torch.inference_mode()
+def _logit_diffs(model: GPT, runners: dict, position: int, steps: int = 3) -> dict:
+    """The largest |logit difference| of each variant from the course model's step, over `steps` steps from
+    `position` on one cached history (float32 here: the exact comparison is `float64_check`)."""
+    gen = torch.Generator().manual_seed(position)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, position + steps), generator=gen).to(model.device)
+    ref = model(ids)[0, position:]
+    out = {}
+    for n, r in runners.items():
+        if n == "eager model":
+            continue
+        r.reset(0)
+        r.prefill(ids[:, :position])
+        got = torch.stack([r.step(ids[:, position + i : position + i + 1])[0] for i in range(steps)])
+        out[n] = float((got - ref).abs().max())
+    return out
+
+
+@torch.inference_mode()
+def float64_check(model: GPT, prompt: int = 5, steps: int = 6, compile: bool = True) -> dict:
+    """The fused step (compiled unless `compile=False`) against the model's full pass in float64: the largest
+    |logit difference| over `steps` decode steps after a `prompt`-token prefill, and the compile seconds."""
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt + steps), generator=gen).to(model.device)
+    ref = model(ids)[0, prompt:]
+    out = {}
+    for concat in (False, True):
+        f = FusedDecode(model, prompt + steps + 3, concat=concat)
+        seconds = f.compiled() if compile else 0.0
+        f.prefill(ids[:, :prompt])
+        got = torch.stack([f.step(ids[:, prompt + i : prompt + i + 1])[0] for i in range(steps)])
+        out["concat" if concat else "window"] = {"max_logit_diff": float((got - ref).abs().max()),
+                                                 "compile_s": seconds}
+    return out
+
+
+def fastest_variant(names) -> str:
+    """The step the targets hold to the floor: the compiled one, or the fused eager one where nothing compiled."""
+    return "compiled" if "compiled" in names else "fused eager"
+
+
+# The targets of the compiled step, as data: (name, claim, target, comparison, the measured value, the reason if
+# not met). Claims and reasons are templates over the run `r` of a preset and its fast variant `fast`.
+TARGET_PRESETS = ("gpt2-124m", "smollm2-135m")
+TARGETS = (
+    ("compiled_near_floor_{preset}", "the {fast} decode step at {preset} within 1.3x of the memory-bandwidth floor "
+     "at every measured position (wall clock)", 1.3, "<=", lambda r, f: max(r["variants"][f]["over_floor"]),
+     lambda r, f, target: _operations_reason(r, f)),
+    ("compiled_speedup_{preset}", "the {fast} decode step at {preset} at least 1.5x the tokens per second of the "
+     "model's own eager step at every measured position", 1.5, ">=", lambda r, f: min(r["speedup"][f]),
+     lambda r, f, target: _speedup_reason(r, f, target)),
+)
+WINDOW_TARGET = ("compiled_window_not_slower", "the {fast} step with the preallocated window at {preset} at least as "
+                 "fast as the {fast} concatenating step at every measured position", 1.0, ">=")
+
+
+def _speedup_reason(run: dict, fast: str, target: float) -> str:
+    """Why the fast step is not `target` times as fast as the eager one: the room the floor leaves, and where the
+    time of each goes."""
+    eager = run["variants"]["eager model"]["over_floor"]
+    gains = ", ".join(f"{g:.3g}x at {p}" for p, g in zip(run["positions"], run["speedup"][fast], strict=True))
+    room = (f"the eager step runs at {min(eager):.3g}x the floor at best, so {target:g}x its speed would beat the "
+            "floor" if min(eager) < target else
+            f"the eager step runs at {min(eager):.3g}x to {max(eager):.3g}x the floor, so the floor leaves room")
+    return (f"{fast} over eager: {gains}; {room}; " + _operations_reason(run, "eager model") + "; "
+            + _operations_reason(run, fast))
+
+
+def _operations_reason(run: dict, variant: str) -> str:
+    """What each kind of operation of `variant`'s step streams at, against the bandwidth of the floor."""
+    ops = run["operations"][variant]
+    bw = sum(run["bandwidth_bytes_per_s"]) / len(run["bandwidth_bytes_per_s"])
+    parts = [f"{k} {ops['bytes_per_s'][k] / 1e9:.3g} GB/s ({ops['s_per_step'][k] * 1e3:.3g} ms)"
+             for k in ("products with weights", "attention") if k in ops["bytes_per_s"]]
+    return (f"at position {ops['position']} the {variant} step's operations stream below {bw / 1e9:.3g} GB/s: "
+            + ", ".join(parts) + f"; everything else {ops['s_per_step']['other'] * 1e3:.3g} ms")
+
+
+def compiled_targets(record: dict | None) -> list[dict]:
+    """The compiled step's targets from the record's "compiled" value (none without it), without `met`, which
+    `labcode.bench.targets` sets for every target."""
+    if not record:
+        return []
+    runs = record["runs"]
+    presets = [p for p in TARGET_PRESETS if p in runs] or list(runs)[-1:]
+    out = []
+    for preset in presets:
+        r = runs[preset]
+        fast = fastest_variant(r["variants"])
+        for name, claim, target, comparison, measured, reason in TARGETS:
+            out.append({"name": name.format(preset=preset), "claim": claim.format(preset=preset, fast=fast),
+                        "target": target, "comparison": comparison, "measured": measured(r, fast),
+                        "reason_if_not_met": reason(r, fast, target)})
+    for preset, r in runs.items():
+        if "compiled concat" in r["variants"]:
+            ratio = [c / w for c, w in zip(r["variants"]["compiled concat"]["step_s"],
+                                           r["variants"]["compiled"]["step_s"], strict=True)]
+            name, claim, target, comparison = WINDOW_TARGET
+            out.append({"name": name, "claim": claim.format(preset=preset, fast="compiled"), "target": target,
+                        "comparison": comparison, "measured": min(ratio), "by_position": ratio,
+                        "reason_if_not_met": "concat over window at " + ", ".join(
+                            f"{p} cached ({x:.3f})" for p, x in zip(r["positions"], ratio, strict=True))
+                        + ": the copy a concatenating step makes is a small part of a step that reads "
+                        f"{r['weight_bytes'] / 1e6:.0f} MB of weights"})
+    return out

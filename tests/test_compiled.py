@@ -1,0 +1,164 @@
+"""The fused decode step of chapter 7 (`labcode.bench.compiled`): the step a compiler fuses, proved equal here.
+
+The test command never compiles (a compile costs tens of seconds to minutes); it proves the
+eager fused step equal to the model's full pass in float64, with every model option the
+step accepts, and the benchmark (`python -m labcode.bench --full`) compares the compiled
+step with it and records the difference. Bad input is refused and leaves the step as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TOL64
+
+from labcode import GPT, GPTConfig
+from labcode.bench.compiled import (
+    FusedDecode,
+    bench_compiled,
+    compiled_targets,
+    float64_check,
+    step_bytes,
+)
+from labcode.bench.decode import kv_bytes_per_step, weight_bytes_per_step
+from labcode.bench.timing import Streamer
+
+CONFIGS = {
+    "gpt2": GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, d_model=32),
+    "llama": GPTConfig(vocab_size=50, context_length=40, n_layers=3, n_heads=4, n_kv_heads=2, d_model=32,
+                       rotary=True, norm="rmsnorm", mlp="swiglu", bias=False, d_ff=48),
+    "mqa-rotary-gelu": GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, n_kv_heads=1, d_model=32,
+                                 rotary=True, rope_base=500.0),
+    "cla": GPTConfig(vocab_size=50, context_length=40, n_layers=4, n_heads=4, n_kv_heads=2, d_model=32, kv_share=2),
+}
+
+
+def _model(name: str, seed: int = 0) -> GPT:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(CONFIGS[name]).double().eval()
+
+
+@pytest.mark.parametrize("concat", [False, True], ids=["window", "concat"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_step_equals_the_full_pass_in_float64(name, batch, concat):
+    model = _model(name)
+    ids = torch.randint(0, 50, (batch, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = model(ids)
+    step = FusedDecode(model, 30, batch=batch, concat=concat)
+    first = step.prefill(ids[:, :5])
+    assert (first - full[:, 4]).abs().max() <= TOL64
+    worst = max(float((step.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(5, 24))
+    assert worst <= TOL64
+    assert step.position == 24
+
+
+def test_fused_step_from_an_empty_buffer_equals_the_full_pass():
+    model = _model("llama")
+    ids = torch.randint(0, 50, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        full = model(ids)
+    step = FusedDecode(model)
+    got = torch.stack([step.step(ids[:, i : i + 1])[0] for i in range(10)])
+    assert (got - full[0]).abs().max() <= TOL64
+
+
+def test_a_wrong_fused_weight_moves_the_logits():
+    """A planted bug (the K half of the fused projection zeroed) is caught by the comparison above."""
+    model = _model("gpt2")
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full = model(ids)
+    step = FusedDecode(model)
+    w, _ = step.layers[0]["qkv"]
+    hd = model.cfg.n_heads * model.cfg.head_dim
+    bias = step.layers[0]["qkv"][1]
+    step.layers[0]["qkv"] = (torch.cat((w[:hd], torch.zeros_like(w[hd : 2 * hd]), w[2 * hd :])), bias)
+    step.prefill(ids[:, :4])
+    moved = max(float((step.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(4, 12))
+    assert moved > 1e6 * TOL64  # the bar above, missed by far
+
+
+def test_float64_check_of_the_eager_step_passes():
+    out = float64_check(_model("llama"), compile=False)
+    assert set(out) == {"window", "concat"}
+    assert all(r["max_logit_diff"] <= TOL64 and r["compile_s"] == 0.0 for r in out.values())
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, d_model=32, sliding_window=8),
+     "sliding_window"),
+    (GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, d_model=32, kv_latent=8), "kv_latent"),
+])
+def test_models_the_step_cannot_run_are_refused(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        FusedDecode(GPT(cfg))
+
+
+@pytest.mark.parametrize("capacity", [0, 41, -1])
+def test_a_capacity_outside_the_position_table_is_refused(capacity):
+    with pytest.raises(ValueError, match="FusedDecode capacity: expected 1..context_length 40"):
+        FusedDecode(_model("gpt2"), capacity)
+
+
+def _state(step: FusedDecode) -> tuple:
+    return step.position, [t.clone() for t in step.k + step.v]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+@pytest.mark.parametrize("concat", [False, True], ids=["window", "concat"])
+def test_bad_steps_are_refused_and_change_nothing(concat):
+    model = _model("gpt2")
+    step = FusedDecode(model, 6, concat=concat)
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(4))
+    step.prefill(ids[:, :3])
+    before = _state(step)
+    for bad in (ids[:, :2], ids[:, 0], torch.zeros(2, 1, dtype=torch.long)):
+        with pytest.raises(ValueError, match="step ids: expected shape \\(1, 1\\)"):
+            step.step(bad)
+        assert _same(before, _state(step))
+    with pytest.raises(ValueError, match="prefill"):
+        step.prefill(ids[:, :2])  # the buffers already hold a prompt
+    assert _same(before, _state(step))
+    for i in range(3, 6):
+        step.step(ids[:, i : i + 1])
+    full = _state(step)
+    with pytest.raises(ValueError, match="step: expected a free position \\(capacity 6\\), got position 6"):
+        step.step(ids[:, :1])
+    assert _same(full, _state(step))
+
+
+def test_step_bytes_are_the_weights_once_and_the_keys_read():
+    model = _model("llama")
+    for keys in (1, 7, 40):
+        weights, kv = step_bytes(model, keys)
+        assert weights == weight_bytes_per_step(model)
+        assert kv == kv_bytes_per_step(model, keys)
+    gpt = _model("gpt2")
+    assert step_bytes(gpt, 3)[0] == weight_bytes_per_step(gpt)  # one row of the position table
+    cla = _model("cla")  # two layers own K/V, four attend
+    assert step_bytes(cla, 5)[1] == 2 * 2 * 5 * 2 * 8 * 8
+
+
+def test_the_benchmark_records_every_eager_variant_and_its_targets():
+    """The benchmark at test sizes, without compiling: every value it records, and targets with reasons."""
+    model = GPT(GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, d_model=32)).eval()
+    run = bench_compiled(model, "toy", (4, 20), 2, 1, Streamer(1, torch.device("cpu")), compile=False)
+    assert set(run["variants"]) == {"eager model", "fused eager"}
+    assert run["positions"] == [4, 20] and run["compile_s"] == {}
+    for v in run["variants"].values():
+        assert len(v["step_s"]) == 2 and all(s > 0 for s in v["step_s"])
+        assert v["over_floor"] == [s / f for s, f in zip(v["step_s"], run["floor_s"], strict=True)]
+    assert run["floor_bytes"] == [sum(step_bytes(model, p + 1)) for p in (4, 20)]  # the middle of 2 steps: p + 1
+    assert run["max_logit_diff"]["fused eager"] <= 1e-4
+    assert set(run["operations"]) == {"eager model", "fused eager"}
+    targets = compiled_targets({"runs": {"toy": run}})
+    assert [t["name"] for t in targets] == ["compiled_near_floor_toy", "compiled_speedup_toy"]
+    assert all("fused eager" in t["claim"] and t["reason_if_not_met"] for t in targets)
+    assert targets[1]["measured"] == min(run["speedup"]["fused eager"])
+    assert compiled_targets(None) == []
