@@ -20,7 +20,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from labcode.bench.roofline import fill_cache
+from labcode.bench.timing import median, rotated, sync
+from labcode.caches import WindowCache
 from labcode.checks import fail
+from labcode.generate import decode_step
 from labcode.model import GPT
 
 
@@ -114,8 +118,6 @@ class FusedDecode:
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Fill the buffers from a prompt ids [B, T] with the model's pass; return its last logits [B, V]."""
-        from labcode.caches import WindowCache
-
         b, t = ids.shape
         if b != self.batch or self.position + t > self.capacity:
             fail("prefill ids", f"[{self.batch}, <= {self.capacity - self.position}]", tuple(ids.shape))
@@ -224,28 +226,21 @@ class _ModelStep:
     """The course model's own cached decode step (`decode_step` on a `WindowCache`), restartable at a position."""
 
     def __init__(self, model: GPT, capacity: int) -> None:
-        from labcode.bench.roofline import fill_cache
-        from labcode.caches import WindowCache
-
-        self.model, self.cache, self.fill = model, WindowCache(model.cfg.kv_layers, capacity), fill_cache
+        self.model, self.cache = model, WindowCache(model.cfg.kv_layers, capacity)
         self.token = torch.zeros(1, dtype=torch.long, device=model.device)
 
     def reset(self, position: int) -> None:
         if position > self.cache.position:
-            self.fill(self.cache, self.model, 1, position - self.cache.position)
+            fill_cache(self.cache, self.model, 1, position - self.cache.position)
         self.cache.rollback(self.cache.position - position)
 
     @torch.inference_mode()
     def step(self, _ids=None) -> torch.Tensor:
-        from labcode.generate import decode_step
-
         return decode_step(self.model, self.token, self.cache)
 
 
 def _timed_steps(runner, position: int, steps: int) -> list[float]:
     """Seconds of `steps` consecutive steps from `position` (after one untimed step there)."""
-    from labcode.bench.timing import sync
-
     ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
     runner.reset(position)
     runner.step(ids)
@@ -263,8 +258,7 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
     """Seconds per step of each kind of operation in `runner`'s step at `position`, from torch.profiler's table.
 
     Products with weights are the addmm/mm calls, attention the SDPA kernels (or the eager model's bmm and
-    softmax); the
-    rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
+    softmax); the rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
     from torch.profiler import ProfilerActivity, profile
 
     _timed_steps(runner, position, 1)
@@ -298,8 +292,6 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
     floor, with the compile seconds, the largest logit difference of each variant from the
     model's step, and the compiled step taken apart by operation kind at the middle position.
     """
-    from labcode.bench.timing import median, rotated
-
     cfg = model.cfg
     capacity = min(cfg.context_length, capacity or cfg.context_length)
     positions = [p for p in positions if p + steps + 2 <= capacity - 3]
