@@ -41,6 +41,18 @@ def _count(name: str, value: object, low: int) -> int:
     return value
 
 
+def weight_shapes(cfg: GPTConfig) -> tuple[tuple[int, int, int], ...]:
+    """(out, in, how many) of the weight matrices one call multiplies, by shape: per layer Q, K/V, the output
+    projection and the feed-forward's, once the tied head; the shapes the memory-side ceilings are measured for."""
+    c, hd, kvd, f = cfg.d_model, cfg.n_heads * cfg.head_dim, 2 * cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
+    n = cfg.n_layers
+    ff = ((f, c, 2 * n), (c, f, n)) if cfg.mlp == "swiglu" else ((f, c, n), (c, f, n))
+    counts: dict[tuple[int, int], int] = {}
+    for o, i, k in ((hd, c, n), (kvd, c, n), (c, hd, n), *ff, (cfg.vocab_size, c, 1)):
+        counts[(o, i)] = counts.get((o, i), 0) + k
+    return tuple((o, i, k) for (o, i), k in counts.items())
+
+
 def weight_elements(cfg: GPTConfig, t_new: int) -> int:
     """Parameters one call of T new tokens reads: every matrix and vector, and T rows of the position table."""
     c, d = cfg.d_model, cfg.head_dim
@@ -62,6 +74,8 @@ class StepCost:
     act_attention_bytes: int  # queries, the score matrix's passes (product, scale, mask, softmax, read), outputs
     act_other_bytes: int  # embeddings, LayerNorms, GELU, residual additions, the new K/V read for the cache write
     rows: int = 1  # rows each product with weights multiplies: B * T
+    shape_bytes: tuple[tuple[int, int, int], ...] = ()  # (out, in, bytes) of the weight matrices of each shape
+    queries: int = 0  # rows of queries attention runs per sequence (T): 1 for a decode step
 
     @property
     def flops(self) -> int:
@@ -128,6 +142,8 @@ def step_cost(cfg: GPTConfig, t_new: int, s_cached: int = 0, batch: int = 1, *,
         act_attention_bytes=e * act_attention,
         act_other_bytes=e * act_other,
         rows=rows,
+        shape_bytes=tuple((o, i, e * o * i * k) for o, i, k in weight_shapes(cfg)),
+        queries=t,
     )
 
 
@@ -168,6 +184,11 @@ class Machine:
     through a weight with R rows, where that product was compute-bound. A product with
     few rows runs below the peak (the soft ridge of chapter 7); `peak_for` reads the
     ceiling for any number of rows from these. Empty: every product can reach the peak.
+
+    The memory side has ceilings too. `stream_ceilings` holds (out, in, R, bytes/s): the
+    rate at which products of R rows streamed weights of that shape where they were
+    memory-bound, and `kv_bandwidth_bytes_per_s` the rate at which decode attention read
+    its keys and values; `stream_for` reads them. Empty or None: the `bandwidth`.
     """
 
     peak_flops_per_s: float  # a large matrix product
@@ -175,6 +196,8 @@ class Machine:
     overhead_s_per_op: float = 0.0  # fixed seconds per tensor operation (Python, dispatch)
     overlapped: bool = False  # True where operations are queued ahead (a GPU): the overhead hides behind the work
     row_ceilings: tuple[tuple[int, float], ...] = ()
+    stream_ceilings: tuple[tuple[int, int, int, float], ...] = ()
+    kv_bandwidth_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_per_s", "bandwidth_bytes_per_s"):
@@ -189,6 +212,16 @@ class Machine:
             raise ValueError("Machine.row_ceilings: expected (rows, FLOP/s) pairs with distinct rows >= 1 in "
                              f"ascending order and positive rates, got {self.row_ceilings!r}")
         object.__setattr__(self, "row_ceilings", ceilings)
+        streams = tuple((o, i, r, b) for o, i, r, b in self.stream_ceilings)
+        keys = [(o, i, r) for o, i, r, _ in streams]
+        if not (all(is_int(x) and x >= 1 for k in keys for x in k) and len(set(keys)) == len(keys)
+                and all(b > 0 for *_, b in streams)):
+            raise ValueError("Machine.stream_ceilings: expected (out, in, rows, bytes/s) with positive ints, each "
+                             f"(out, in, rows) once, and positive rates, got {self.stream_ceilings!r}")
+        object.__setattr__(self, "stream_ceilings", tuple(sorted(streams)))
+        if self.kv_bandwidth_bytes_per_s is not None and not self.kv_bandwidth_bytes_per_s > 0:
+            raise ValueError("Machine.kv_bandwidth_bytes_per_s: expected None or a positive number, got "
+                             f"{self.kv_bandwidth_bytes_per_s!r}")
 
     @property
     def balance(self) -> float:
@@ -206,12 +239,35 @@ class Machine:
         ceil = self.row_ceilings
         if not ceil or rows >= ceil[-1][0]:
             return self.peak_flops_per_s
-        if rows <= ceil[0][0]:
-            return min(ceil[0][1], self.peak_flops_per_s)
-        (r0, f0), (r1, f1) = next((a, b) for a, b in zip(ceil[:-1], ceil[1:], strict=True)
-                                     if a[0] <= rows <= b[0])
-        w = math.log(rows / r0) / math.log(r1 / r0)
-        return min(math.exp((1 - w) * math.log(f0) + w * math.log(f1)), self.peak_flops_per_s)
+        return min(_log_interpolate(list(ceil), rows), self.peak_flops_per_s)
+
+
+    def stream_for(self, n_out: int, n_in: int, rows: int) -> float:
+        """The bytes/s at which a product of `rows` rows streams a weight [n_out, n_in]: never above the bandwidth.
+
+        From the shape's `stream_ceilings`, interpolated between measured row counts on
+        log-log axes like `peak_for`; below the fewest, that ceiling's rate. With more rows
+        than any measured the product is compute-bound, and its compute ceiling holds it:
+        the bandwidth. A shape without ceilings streams at the bandwidth.
+        """
+        _count("rows", rows, 1)
+        ceil = [(r, b) for o, i, r, b in self.stream_ceilings if (o, i) == (n_out, n_in)]
+        bw = self.bandwidth_bytes_per_s
+        if not ceil or rows > ceil[-1][0]:
+            return bw
+        return min(_log_interpolate(ceil, rows), bw)
+
+
+def _log_interpolate(points: list[tuple[int, float]], x: int) -> float:
+    """y at x from (x, y) pairs, x ascending, interpolated on log-log axes; the first y below the first x."""
+    if x <= points[0][0]:
+        return points[0][1]
+    exact = [y for px, y in points if px == x]
+    if exact:
+        return exact[0]
+    (x0, y0), (x1, y1) = next((a, b) for a, b in zip(points[:-1], points[1:], strict=True) if a[0] <= x <= b[0])
+    w = math.log(x / x0) / math.log(x1 / x0)
+    return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
 
 
 @dataclass(frozen=True)
@@ -238,13 +294,21 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     sum of max(FLOPs / peak, bytes / bandwidth) over `StepCost.parts`. That is never
     below max(t_math, t_memory), and equals it when every part has the same limit (any
     decode step at batch 1). The products with weights compute at most at
-    `machine.peak_for(cost.rows)`, attention at the peak. On a CPU the fixed cost of
-    the operations adds to it.
+    `machine.peak_for(cost.rows)`, attention at the peak. On the memory side each shape of
+    weight streams at `machine.stream_for(out, in, rows)`, and a decode step's keys and
+    values (one query per sequence) at `machine.kv_bandwidth_bytes_per_s` where the machine
+    has it (never above the bandwidth); every other byte at the bandwidth. On a CPU the fixed cost of the operations
+    adds to it.
     """
     _count("ops", ops, 0)
     peak, bw = machine.peak_flops_per_s, machine.bandwidth_bytes_per_s
     peaks = {"products with weights": machine.peak_for(cost.rows)}
-    t_parts = sum(max(f / peaks.get(k, peak), n / bw) for k, (f, n) in cost.parts().items())
+    memory = {k: n / bw for k, (_, n) in cost.parts().items()}
+    for o, i, n in cost.shape_bytes:
+        memory["products with weights"] += n / machine.stream_for(o, i, cost.rows) - n / bw
+    if machine.kv_bandwidth_bytes_per_s and cost.queries == 1:
+        memory["attention"] += cost.kv_read_bytes * (1 / min(machine.kv_bandwidth_bytes_per_s, bw) - 1 / bw)
+    t_parts = sum(max(f / peaks.get(k, peak), memory[k]) for k, (f, _) in cost.parts().items())
     t_overhead = ops * machine.overhead_s_per_op
     seconds = max(t_parts, t_overhead) if machine.overlapped else t_parts + t_overhead
     t_math = cost.flops_linear / peaks["products with weights"] + cost.flops_attention / peak

@@ -101,7 +101,7 @@ def test_targets_are_reported_not_enforced(bench_run):
     targets = bench_run[0]["values"]["targets"]
     assert {t["name"] for t in targets} >= {"slice_write_flat", "slice_vs_cat_long", "decode_near_floor",
                                             "decode_near_floor_lean", "window_not_slower", "roofline_prediction",
-                                            "compiled_near_floor_tiny", "compiled_speedup_tiny"}
+                                            "batch_prediction", "compiled_near_floor_tiny", "compiled_speedup_tiny"}
     for t in targets:
         assert isinstance(t["met"], bool) and isinstance(t["measured"], float)
         assert ("reason" in t) == (not t["met"]), t  # a target not met says why, measured
@@ -110,6 +110,22 @@ def test_targets_are_reported_not_enforced(bench_run):
     assert by_name["decode_near_floor"]["products_only"] > 0
     floor_preset = SIZES["test"].floor_preset  # only the generation of the floor's preset gets the bound
     assert [n for n, t in by_name.items() if "speedup_at_floor" in t] == [f"speedup_{floor_preset}"]
+
+
+def test_batch_target_names_each_step_outside_the_tolerance():
+    from labcode.bench import batch_target
+
+    run = {"s_cached": 128, "batch": [1, 4], "ratio": [1.2, 0.6], "ratio_cpu": [1.1, 0.7],
+           "ratio_plain": [1.3, 0.4], "overhead_s_per_op": [4e-6, 5e-6],
+           "ceilings": [{"768x768": 1.5e10}, {"768x768": 8e9, "3072x768": 9.5e9, "K/V": 1.7e10}],
+           "predicted": {"bound": ["memory", "memory"]}}
+    t = batch_target({"batch": {"gpt2-124m": {"runs": [run]}}})
+    assert t["measured"] == pytest.approx(1 / 0.6) and t["one_bandwidth"] == pytest.approx(2.5)
+    assert t["measured_cpu"] == pytest.approx(1 / 0.7) and (t["points"], t["outside"]) == (2, 1)
+    assert t["reason_if_not_met"] == ("gpt2-124m B = 4 at S = 128: 0.6x (memory-bound; beside it weights 8-9.5 GB/s, "
+                                      "K/V 17 GB/s, 5 µs per operation)")
+    run["ratio"][1] = 0.9
+    assert batch_target({"batch": {"gpt2-124m": {"runs": [run]}}})["reason_if_not_met"] == ""
 
 
 def test_speedup_at_floor_adds_one_floor_per_decode_step():
@@ -141,9 +157,9 @@ def test_every_figure_is_written(bench_run):
     _, plots = bench_run
     assert [p.name for p in plots] == sorted(
         f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "floor", "roofline",
-                                   "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
-                                   "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput",
-                                   "append_medians", "compiled"))
+                                   "roofline_fit", "rows", "batch", "stream_ceilings", "critical_batch", "concurrency",
+                                   "floor_ops", "floor_ratio", "window_vs_concat", "overhead_crossover",
+                                   "latency_throughput", "append_medians", "compiled"))
     assert all(p.stat().st_size > 5000 for p in plots)
 
 
@@ -154,9 +170,9 @@ def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
     from labcode.plotting import COLUMN_INCHES, MIN_TEXT_PT, drawn_texts
 
     values = bench_run[0]["values"]
-    for name in ("roofline", "roofline_fit", "rows", "batch", "critical_batch", "concurrency", "floor_ops",
-                 "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput", "append_medians",
-                 "compiled"):
+    for name in ("roofline", "roofline_fit", "rows", "batch", "stream_ceilings", "critical_batch", "concurrency",
+                 "floor_ops", "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput",
+                 "append_medians", "compiled"):
         fig = PLOTS[name](values)
         try:
             fig.canvas.draw()  # tick labels get their text when drawn
@@ -305,9 +321,26 @@ def test_decode_bytes_count_weights_once_and_one_position_row():
 
 # -- the roofline's record: every prediction is the pure function of what was counted and measured -------------------
 
-def test_every_roofline_point_is_predicted_from_its_counted_cost(bench_run):
-    from labcode.bench.roofline import cost_of, machine_at
+def _check_prediction(values: dict, cfg, p: dict) -> None:
+    """A recorded point's predictions are `predict` of its counted cost with what was measured beside it."""
+    from labcode.bench.roofline import cost_of, machine_at, stream_machine
     from labcode.roofline import predict
+
+    cost = cost_of(cfg, p["kind"], p["t_new"], p["s_mid"], p["batch"])
+    for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
+        plain = machine_at(values["roofline_machine"], p, clock)
+        assert plain.overhead_s_per_op == p["overhead" + suffix + "_s_per_op"] > 0  # measured beside the point
+        assert p["plain" + suffix]["seconds"] == predict(cost, plain, p["ops"]).seconds
+        with_ceilings = stream_machine(plain, p["ceilings" + suffix], p["batch"])
+        assert p["predicted" + suffix]["seconds"] == predict(cost, with_ceilings, p["ops"]).seconds
+        assert p["ratio" + suffix] == p["step" + suffix + "_s"] / p["predicted" + suffix]["seconds"]
+        assert p["ratio_plain" + suffix] == p["step" + suffix + "_s"] / p["plain" + suffix]["seconds"]
+        # a ceiling only ever slows a prediction down: it is never above the bandwidth
+        assert p["predicted" + suffix]["seconds"] >= p["plain" + suffix]["seconds"]
+
+
+def test_every_roofline_point_is_predicted_from_its_counted_cost(bench_run):
+    from labcode.bench.roofline import cost_of
 
     values = bench_run[0]["values"]
     kinds = set()
@@ -317,14 +350,52 @@ def test_every_roofline_point_is_predicted_from_its_counted_cost(bench_run):
             kinds.add(p["kind"])
             cost = cost_of(cfg, p["kind"], p["t_new"], p["s_mid"], p["batch"])
             assert p["flops"] == cost.flops and p["bytes"] == cost.bytes and p["ops"] > 0
-            wall, cpu = (machine_at(values["roofline_machine"], p, clock) for clock in ("wall", "cpu"))
-            assert wall.overhead_s_per_op == p["overhead_s_per_op"] > 0  # measured beside the point
-            assert p["predicted"]["seconds"] == predict(cost, wall, p["ops"]).seconds
-            assert p["predicted_cpu"]["seconds"] == predict(cost, cpu, p["ops"]).seconds
-            assert p["ratio"] == p["step_s"] / p["predicted"]["seconds"]
+            _check_prediction(values, cfg, p)
+            if p["kind"] != "decode":  # the memory-side ceilings are measured beside decode steps only
+                assert p["ceilings"] == p["ceilings_cpu"] == {}
     assert kinds == {"prefill", "decode", "uncached"}
     summary = values["roofline_summary"]
     assert set(summary["crossover"]) == set(values["roofline"]) == set(SIZES["test"].roofline_presets)
+
+
+def test_stream_probe_streams_each_weight_shape_and_the_decode_kv_read():
+    from labcode.bench.roofline import StreamProbe, shape_name
+    from labcode.roofline import decode_cost, weight_shapes
+
+    cfg = get_config("tiny").with_(vocab_size=20000)  # a head of 1.28M elements: wide enough to be stored by column
+    assert list(StreamProbe(cfg, torch.device("cpu"), min_mbytes=1).weights) == [(20000, 64)]  # the others: 16 KB
+    probe = StreamProbe(cfg, torch.device("cpu"), min_mbytes=1, min_matrix_kbytes=0)
+    nbytes, ops, one_round = probe.at(2, 9)
+    assert set(nbytes) == set(ops) == {shape_name(o, i) for o, i, _ in weight_shapes(cfg)} | {"K/V"}
+    for (o, i), ws in probe.weights.items():
+        assert nbytes[shape_name(o, i)] == 4 * o * i * len(ws) >= 2**20  # enough copies to leave the caches
+        assert all(w.shape == (o, i) and w.stride() == ((1, o) if (o, i) == (20000, 64) else (i, 1)) for w in ws)
+    cost = decode_cost(cfg, 8, 2)  # 9 keys for each of 2 sequences
+    assert nbytes["K/V"] == cost.kv_read_bytes + cost.act_attention_bytes
+    assert all(n > 0 for n in ops.values())
+    timed_calls = one_round()
+    assert set(timed_calls) == set(nbytes) and all(len(v) == 1 and min(v[0]) >= 0 for v in timed_calls.values())
+    # with a balance this low every product is compute-bound: only the K/V read is memory-bound
+    assert set(probe.at(2, 9, balance=0.1)[0]) == {"K/V"}
+    assert "K/V" not in probe.at(1)[0]
+
+
+def test_ceilings_leave_out_the_fixed_cost_and_parts_that_measured_only_dispatch():
+    from labcode.bench.roofline import ceilings, stream_machine
+    from labcode.roofline import Machine
+
+    nbytes, ops = {"16x16": 1000, "64x16": 1000, "K/V": 100}, {"16x16": 10, "64x16": 10, "K/V": 4}
+    seconds = {"16x16": (1e-3, 2e-3), "64x16": (1.5e-4, 1.5e-4), "K/V": (1e-4, 1e-4)}
+    # at 1e6 bytes/s every part's bytes take longer than its fixed cost (1e-4 s, 1e-4 s, 4e-5 s); the 64x16 part
+    # spent more than half its time on it
+    assert ceilings(nbytes, ops, seconds, 1e-5, 1e6) == {"16x16": pytest.approx(1000 / 9e-4),
+                                                         "K/V": pytest.approx(100 / 6e-5)}
+    assert ceilings(nbytes, ops, seconds, 1e-5, 1e6, clock=1)["16x16"] == pytest.approx(1000 / 1.9e-3)
+    # at 1e7 bytes/s the K/V's 100 bytes take 1e-5 s, less than its operations' fixed cost: no ceiling
+    assert set(ceilings(nbytes, ops, seconds, 1e-5, 1e7)) == {"16x16"}
+    machine = stream_machine(Machine(1e9, 1e8), {"16x16": 5e7, "K/V": 4e7}, 2)
+    assert machine.stream_ceilings == ((16, 16, 2, 5e7),) and machine.kv_bandwidth_bytes_per_s == 4e7
+    assert stream_machine(Machine(1e9, 1e8), {}, 1) == Machine(1e9, 1e8)
 
 
 def test_batch_sweep_holds_every_batch_with_its_prediction(bench_run):
@@ -335,6 +406,14 @@ def test_batch_sweep_holds_every_batch_with_its_prediction(bench_run):
         for r in result["runs"]:
             assert r["batch"] == list(batches) and len(r["step_s"]) == len(r["predicted"]["step_s"]) == len(batches)
             assert r["tokens_per_s"] == [b / t for b, t in zip(batches, r["step_s"], strict=True)]
+            for i, b in enumerate(batches):  # each batch predicted with what was measured beside it
+                point = {"kind": "decode", "t_new": 1, "s_mid": r["s_mid"], "batch": b, "ops": r["ops_by_batch"][i],
+                         **{k: r[k][i] for k in ("step_s", "step_cpu_s", "overhead_s_per_op", "overhead_cpu_s_per_op",
+                                                 "ceilings", "ceilings_cpu", "ratio", "ratio_cpu", "ratio_plain",
+                                                 "ratio_plain_cpu")},
+                         **{k: {"seconds": r[k]["step_s"][i]} for k in ("predicted", "predicted_cpu", "plain",
+                                                                        "plain_cpu")}}
+                _check_prediction(values, get_config(preset), point)
         assert len(result["curve"]["contexts"]) == len(result["curve"]["n_kv_heads"]["4"]["critical_batch"])
 
 

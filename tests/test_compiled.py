@@ -162,3 +162,19 @@ def test_the_benchmark_records_every_eager_variant_and_its_targets():
     assert all("fused eager" in t["claim"] and t["reason_if_not_met"] for t in targets)
     assert targets[1]["measured"] == min(run["speedup"]["fused eager"])
     assert compiled_targets(None) == []
+
+
+def test_compile_times_are_recorded_from_an_empty_compile_cache(tmp_path, monkeypatch):
+    import os
+
+    from labcode.bench import fresh_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with fresh_compile_cache():
+        inside = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert inside != str(tmp_path) and os.path.isdir(inside) and not os.listdir(inside)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path) and not os.path.exists(inside)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    with fresh_compile_cache():
+        pass
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ

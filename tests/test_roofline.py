@@ -61,7 +61,11 @@ def test_decode_step_at_micro_by_hand():
         act_attention_bytes=4 * 2 * (2 * 16 + 6 * 2 * 6),
         # per layer: LayerNorms 4C, GELU 8C, residual additions 6C; once: embeddings 4C, ln_f 2C; new K/V read 2 x 16
         act_other_bytes=4 * (2 * 18 * 16 + 6 * 16 + 2 * 32),
+        # q and out [16, 16] in 2 layers; kv [32, 16]; fc [64, 16] in 2 layers and the head [64, 16]; proj [16, 64]
+        shape_bytes=((16, 16, 4 * 4 * 256), (32, 16, 4 * 2 * 512), (64, 16, 4 * 3 * 1024), (16, 64, 4 * 2 * 1024)),
+        queries=1,
     )
+    assert sum(n for *_, n in cost.shape_bytes) == 4 * linear_params(MICRO)
     assert cost.flops == 15104 and cost.bytes == 30528 + 1536 + 256 + 2496 + 832 + 2944 == 38592
     assert cost.intensity == pytest.approx(15104 / 38592)
 
@@ -149,6 +153,53 @@ def test_products_with_few_rows_are_held_to_their_measured_ceiling():
     for bad in (((16, 1e6), (16, 2e6)), ((256, 1e6), (16, 2e6)), ((0, 1e6),), ((16, 0.0),)):
         with pytest.raises(ValueError, match="Machine.row_ceilings"):
             Machine(8e6, 1e8, row_ceilings=bad)
+
+
+def test_memory_bound_products_and_decode_kv_reads_are_held_to_their_stream_ceilings():
+    # at micro: weights [16, 16] 4096 bytes, [32, 16] 4096, [64, 16] 12288, [16, 64] 8192; 1856 more (vectors, a
+    # position row) and 2496 of the products' activations; attention reads 1536 bytes of K/V and moves 832 more
+    streams = ((16, 16, 1, 5e7), (64, 16, 1, 2.5e7))
+    machine = Machine(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e8, stream_ceilings=streams,
+                      kv_bandwidth_bytes_per_s=5e7)
+    p = predict(decode_cost(MICRO, 5), machine)
+    products = 4096 / 5e7 + 4096 / 1e8 + 12288 / 2.5e7 + 8192 / 1e8 + (1856 + 2496) / 1e8
+    attention = 1536 / 5e7 + 832 / 1e8
+    assert p.t_parts == pytest.approx(products + attention + (256 + 2944) / 1e8)
+    assert p.t_memory == pytest.approx(38592 / 1e8)  # the roofline as drawn keeps one bandwidth
+    plain = predict(decode_cost(MICRO, 5), Machine(1e12, 1e8))
+    assert plain.t_parts == pytest.approx(38592 / 1e8) and plain.t_parts < p.t_parts
+    # a prefill's attention (4 queries per sequence) is not a decode read: only the weights' ceilings apply (at
+    # 4 rows the shapes measured with one row keep their rate)
+    chunk = prefill_cost(MICRO, 4, 5)
+    assert chunk.queries == 4
+    no_kv = Machine(1e12, 1e8, stream_ceilings=streams)
+    assert predict(chunk, machine).t_parts == pytest.approx(predict(chunk, no_kv).t_parts)
+    # between measured rows on log-log axes; beyond the most, the bandwidth; never above it; other shapes: it
+    two = Machine(1e12, 1e8, stream_ceilings=((16, 16, 1, 5e7), (16, 16, 4, 2e7), (32, 16, 1, 5e8)))
+    assert two.stream_for(16, 16, 2) == pytest.approx(math.sqrt(5e7 * 2e7))
+    assert two.stream_for(16, 16, 1) == 5e7 and two.stream_for(16, 16, 4) == 2e7
+    assert two.stream_for(16, 16, 8) == 1e8 and two.stream_for(32, 16, 1) == 1e8 == two.stream_for(64, 16, 1)
+    for bad in (((16, 16, 1, 5e7), (16, 16, 1, 4e7)), ((16, 16, 0, 5e7),), ((16, 16, 1, 0.0),), ((16.5, 16, 1, 1.0),)):
+        with pytest.raises(ValueError, match="Machine.stream_ceilings"):
+            Machine(1e12, 1e8, stream_ceilings=bad)
+    with pytest.raises(ValueError, match="Machine.kv_bandwidth_bytes_per_s"):
+        Machine(1e12, 1e8, kv_bandwidth_bytes_per_s=0.0)
+
+
+def test_weight_shapes_are_every_product_with_weights():
+    from labcode.roofline import weight_shapes
+
+    for name in ("micro", "tiny", "small", "gpt2-124m", "smollm2-135m"):
+        cfg = get_config(name)
+        with torch.device("meta"):  # shapes only: no memory, no initialisation
+            model = GPT(cfg)
+        shapes: dict = {}
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+        head = tuple(model.tok_emb.weight.shape)  # the tied head multiplies by the embedding table
+        shapes[head] = shapes.get(head, 0) + 1
+        assert sorted(weight_shapes(cfg)) == sorted((o, i, k) for (o, i), k in shapes.items()), name
 
 
 def test_only_compute_bound_row_measurements_become_ceilings():

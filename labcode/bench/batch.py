@@ -8,70 +8,65 @@ from which batch a step is compute-bound, and how the context moves that point.
 
 from __future__ import annotations
 
-import torch
-
-from labcode.bench.roofline import count_ops, fill_cache, machine_of
-from labcode.bench.timing import median, timed_cpu
-from labcode.caches import WindowCache
-from labcode.generate import decode_step
+from labcode.bench.roofline import StreamProbe, annotate, machine_of, overhead_probe, time_point
+from labcode.config import get_config
 from labcode.model import GPT
-from labcode.roofline import Machine, context_limit, critical_batch, decode_cost, predict, weights_critical_batch
-
-
-@torch.inference_mode()
-def time_decode_batch(model: GPT, batch: int, s_cached: int, steps: int = 5, warmup: int = 2) -> dict:
-    """Median seconds of a cached decode step of B sequences holding S positions each (steps S .. S + steps - 1)."""
-    cfg, device = model.cfg, model.device
-    cache = WindowCache(cfg.n_layers, s_cached + warmup + steps + 1)
-    fill_cache(cache, model, batch, s_cached)
-    token = torch.zeros(batch, dtype=torch.long, device=device)
-    for _ in range(warmup - 1):
-        decode_step(model, token, cache)
-    ops = count_ops(lambda: decode_step(model, token, cache))  # the last warm-up step
-    s_first = cache.position
-    runs = [timed_cpu(lambda: decode_step(model, token, cache), device) for _ in range(steps)]
-    return {"batch": batch, "s_mid": s_first + (steps - 1) // 2, "ops": ops,
-            "step_s": median([w for w, _ in runs]), "step_cpu_s": median([c for _, c in runs])}
-
-
-def predicted_curve(model_cfg, s_cached: int, batches: list[int], machine: Machine, ops: int) -> dict:
-    """The roofline's step time, tokens/s and bound at each batch size, for decode at S cached."""
-    preds = [predict(decode_cost(model_cfg, s_cached, b), machine, ops) for b in batches]
-    return {"step_s": [p.seconds for p in preds], "tokens_per_s": [b / p.seconds for b, p in zip(batches, preds,
-                                                                                                 strict=True)],
-            "t_math": [p.t_math for p in preds], "t_memory": [p.t_memory for p in preds],
-            "bound": [p.bound for p in preds]}
+from labcode.roofline import Machine, context_limit, critical_batch, weights_critical_batch
 
 
 def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...], machine: dict, steps: int = 5,
+                min_s: float = 0.0, overhead_steps: int = 3, stream_mbytes: int = 64, min_rounds: int = 1,
                 progress=None) -> dict:
     """For each context S: measured and predicted decode step time and tokens/s at every batch size.
 
-    Also the two batch sizes the roofline names at that S: `critical_batch` (the whole
-    step compute-bound) and `weights_critical_batch` (the products with weights alone).
+    Each point is timed as `bench_roofline` times its decode points (`time_point`): rounds of
+    `steps` steps from a fresh cache of B sequences holding S positions, until the timed
+    steps add up to `min_s` seconds, `min_rounds` rounds at least. Between the rounds, the
+    fixed cost per operation (`overhead_probe`) and the memory-side ceilings (`StreamProbe` with B rows and the
+    step's keys and values) are measured, and the point is predicted with them
+    (`predicted`) and with one bandwidth and the same fixed cost (`plain`). Also the two
+    batch sizes the roofline names at that S: `critical_batch` (the whole step
+    compute-bound) and `weights_critical_batch` (the products with weights alone).
     """
     cfg = model.cfg
+    probe_ops, probe = overhead_probe(get_config(machine["overhead"]["preset"]), model.device, steps=overhead_steps)
+    streams = StreamProbe(cfg, model.device, stream_mbytes)
+    balance = machine_of(machine).balance
     runs = []
     for s in contexts:
-        measured = []
+        points = []
         for b in batches:
-            measured.append(time_decode_batch(model, b, s, steps))
+            keys = s + 2 + (steps - 1) // 2 + 1  # those of the middle timed step (time_point's s_mid, + 1)
+            stream = streams.at(b, keys, balance)
+            pt = time_point(model, "decode", 1, s, batch=b, repeats=steps, min_s=min_s, min_rounds=min_rounds,
+                            beside=lambda stream=stream: {"overhead": probe(), **stream[2]()})
+            annotate(cfg, pt, machine, stream, probe_ops)
+            points.append(pt)
+            del stream
             if progress is not None:
                 progress.update(1)
-        s_mid, ops = measured[0]["s_mid"], measured[0]["ops"]
-        run = {"s_cached": s, "s_mid": s_mid, "batch": list(batches), "ops": ops,
-               "step_s": [m["step_s"] for m in measured], "step_cpu_s": [m["step_cpu_s"] for m in measured],
-               "tokens_per_s": [b / m["step_s"] for b, m in zip(batches, measured, strict=True)],
+        first = points[0]
+        run = {"s_cached": s, "s_mid": first["s_mid"], "batch": list(batches), "ops": first["ops"],
+               "ops_by_batch": [p["ops"] for p in points],
+               "step_s": [p["step_s"] for p in points], "step_cpu_s": [p["step_cpu_s"] for p in points],
+               "tokens_per_s": [b / p["step_s"] for b, p in zip(batches, points, strict=True)],
                # how much longer a step of B sequences takes than a step of one: 1.0 while the weights' reads dominate
-               "step_over_first": [m["step_s"] / measured[0]["step_s"] for m in measured],
-               "step_over_first_cpu": [m["step_cpu_s"] / measured[0]["step_cpu_s"] for m in measured]}
-        for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
-            mach = machine_of(machine, clock)
-            pred = predicted_curve(cfg, s_mid, list(batches), mach, ops)
-            run["predicted" + suffix] = pred
-            run["ratio" + suffix] = [m / p for m, p in zip(run["step" + suffix + "_s"], pred["step_s"], strict=True)]
-            run["critical_batch" + suffix] = critical_batch(cfg, s_mid, mach)
+               "step_over_first": [p["step_s"] / first["step_s"] for p in points],
+               "step_over_first_cpu": [p["step_cpu_s"] / first["step_cpu_s"] for p in points]}
+        for suffix in ("", "_cpu"):
+            for name in ("predicted", "plain"):
+                preds = [p[name + suffix] for p in points]
+                run[name + suffix] = {"step_s": [q["seconds"] for q in preds],
+                                      "tokens_per_s": [b / q["seconds"] for b, q in zip(batches, preds, strict=True)],
+                                      **{k: [q[k] for q in preds] for k in ("t_math", "t_memory", "t_parts",
+                                                                             "t_overhead", "bound")}}
+            for key in ("ratio", "ratio_plain", "ceilings", "overhead_s_per_op"):
+                k = key + suffix if key != "overhead_s_per_op" else key.replace("_s_per_op", suffix + "_s_per_op")
+                run[k] = [p[k] for p in points]
+            run["critical_batch" + suffix] = critical_batch(cfg, first["s_mid"],
+                                                            machine_of(machine, suffix.strip("_") or "wall"))
         runs.append(run)
+    del streams
     return {"preset_config": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                               "n_kv_heads": cfg.n_kv_heads, "context_length": cfg.context_length},
             "runs": runs, "weights_critical_batch": weights_critical_batch(cfg, machine_of(machine)),

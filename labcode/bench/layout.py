@@ -18,6 +18,11 @@ from labcode.model import GPT
 WIDE_MIN_ELEMENTS = 1 << 20  # smaller matrices keep the default layout (so the tiny model is untouched)
 
 
+def by_column(n_out: int, n_in: int, min_elements: int = WIDE_MIN_ELEMENTS) -> bool:
+    """Whether the benchmark stores a weight [n_out, n_in] column by column: wide and large."""
+    return n_out > n_in and n_out * n_in >= min_elements
+
+
 def store_wide_weights_by_column(model: GPT, min_elements: int = WIDE_MIN_ELEMENTS) -> GPT:
     """Store `model`'s large wide weights [out, in] column by column, in place; values are unchanged.
 
@@ -26,7 +31,7 @@ def store_wide_weights_by_column(model: GPT, min_elements: int = WIDE_MIN_ELEMEN
     """
     with torch.no_grad():
         for p in [model.tok_emb.weight] + [m.weight for m in model.modules() if isinstance(m, nn.Linear)]:
-            if p.shape[0] > p.shape[1] and p.numel() >= min_elements:
+            if by_column(*p.shape, min_elements):
                 p.data = p.data.t().contiguous().t()  # (out, in) with strides (1, out)
     return model
 

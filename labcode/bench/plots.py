@@ -236,10 +236,13 @@ def plot_batch(values: dict) -> Figure:
             b = run["batch"]
             ax.plot(b, run["tokens_per_s"], "o", color=color, label=f"S = {run['s_cached']}")
             ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color)
+            if "plain" in run:  # the same roofline with one bandwidth for every byte
+                ax.plot(b, run["plain"]["tokens_per_s"], "--", color=color, lw=1.0, alpha=0.7)
             crit = _f(run["critical_batch"])
             if b[0] <= crit <= b[-1]:
                 ax.axvline(crit, color=color, ls=":", lw=1.2)
-        ax.set(xscale="log", yscale="log", ylabel="tokens / s", title=preset)
+        dashed = "; dashed: one bandwidth" if any("plain" in run for run in res["runs"]) else ""
+        ax.set(xscale="log", yscale="log", ylabel="tokens / s", title=preset + dashed)
         _plain(ax, "x", base=2)
         _plain(ax, "y", most=5)
         ax.grid(True, which="major")
@@ -401,6 +404,30 @@ def plot_rows(values: dict) -> Figure:
     return fig
 
 
+def plot_stream_ceilings(values: dict, preset: str | None = None) -> Figure:
+    """The memory-side ceilings measured beside the batch sweep's steps at one cached length: GB/s at which each
+    weight shape streamed through products of B rows, and the keys and values through decode attention, against
+    B; the machine's bandwidth dashed."""
+    preset = preset or next(reversed(values["batch"]))
+    run = values["batch"][preset]["runs"][0]
+    fig, ax = figure(height=3.9)
+    names = list(dict.fromkeys(k for c in run["ceilings"] for k in c))
+    for name, color, marker in zip(names, SERIES + COLOURS, "osD^v<>p", strict=False):
+        pts = [(b, c[name] / 1e9) for b, c in zip(run["batch"], run["ceilings"], strict=True) if name in c]
+        label = "keys and values" if name == "K/V" else "weight " + name.replace("x", " x ")
+        ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label=label, lw=1.4)
+    bw = values["roofline_machine"]["wall"]["bandwidth_bytes_per_s"] / 1e9
+    ax.axhline(bw, color=INK, ls="--", lw=1.2)
+    ax.set(xscale="log", xlabel="batch size B (rows per product)", ylabel="GB/s", xlim=(run["batch"][0] / 1.2,
+           run["batch"][-1] * 1.2), title=f"{preset}, S = {run['s_cached']}; dashed: the bandwidth")
+    _plain(ax, "x", base=2)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="major")
+    if names:
+        fig.legend(loc="outside lower center", ncol=2)
+    return fig
+
+
 def plot_overhead_crossover(values: dict) -> Figure:
     """A batch-1 decode step's predicted time for bytes (solid) and for its operations' fixed cost (dashed), against
     the model width, per preset: the fixed cost dominates left of the crossing. Each preset's own width is marked."""
@@ -477,6 +504,7 @@ PLOTS = {
     "roofline_fit": plot_roofline_fit,
     "rows": plot_rows,
     "batch": plot_batch,
+    "stream_ceilings": plot_stream_ceilings,
     "critical_batch": plot_critical_batch,
     "concurrency": plot_concurrency,
     "floor_ops": plot_floor_ops,

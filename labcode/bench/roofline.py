@@ -6,23 +6,28 @@ cost of one tensor operation (a decode step of a model whose every width is shru
 until its tensors are a few kilobytes, divided by the operations it dispatches).
 `labcode.roofline.predict` turns them, with the counted FLOPs, bytes and operations,
 into seconds; each point here is also timed, with the wall clock and with the
-process's CPU time, and the two are divided.
+process's CPU time, and the two are divided. Beside each decode step timed, the fixed
+cost and the memory-side ceilings (`StreamProbe`: what each shape of weight and the
+step's keys and values stream at on their own) are measured again, and the step is
+predicted with them.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labcode.bench.timing import Streamer, median, timed_cpu
 from labcode.caches import WindowCache
 from labcode.config import GPTConfig, get_config
 from labcode.generate import decode_step
-from labcode.model import GPT
-from labcode.roofline import Machine, StepCost, decode_cost, predict, prefill_cost, uncached_cost
+from labcode.model import GPT, attend
+from labcode.roofline import Machine, StepCost, decode_cost, predict, prefill_cost, uncached_cost, weight_shapes
 
 KINDS = ("prefill", "decode", "uncached")
 
@@ -201,17 +206,111 @@ def cost_of(cfg: GPTConfig, kind: str, t_new: int, s_cached: int, batch: int = 1
     return uncached_cost(cfg, t_new, batch)
 
 
-def timed_rounds(one_round, min_s: float = 0.0, max_rounds: int = 50, beside=None) -> tuple[list, list]:
-    """(wall, CPU) seconds of the calls of `one_round()`, called until they add up to `min_s` seconds (once at
-    least, `max_rounds` times at most), and those of `beside()`, called after every round if given."""
-    runs, other = [], []
-    for _ in range(max_rounds):
+def timed_rounds(one_round, min_s: float = 0.0, max_rounds: int = 50, beside=None,
+                 min_rounds: int = 1) -> tuple[list, dict]:
+    """(wall, CPU) seconds of the calls of `one_round()`, called until they add up to `min_s` seconds (`min_rounds`
+    times at least, `max_rounds` times at most), and those of `beside()`, called after every round if given: a
+    dict of lists of (wall, CPU) seconds by name, gathered name by name."""
+    runs, other = [], {}
+    for n in range(1, max_rounds + 1):
         runs += one_round()
         if beside is not None:
-            other += beside()
-        if sum(w for w, _ in runs) >= min_s:
+            for name, timed_calls in beside().items():
+                other.setdefault(name, []).extend(timed_calls)
+        if n >= min_rounds and sum(w for w, _ in runs) >= min_s:
             break
     return runs, other
+
+
+def medians(timed_calls: dict) -> dict:
+    """{name: (median wall, median CPU seconds)} of `timed_rounds`'s calls beside."""
+    return {k: (median([w for w, _ in v]), median([c for _, c in v])) for k, v in timed_calls.items()}
+
+
+class StreamProbe:
+    """The memory-side ceilings of a model's decode step, measured beside it: what each shape of its weights and
+    its keys and values stream at, on their own.
+
+    For each weight shape (`labcode.roofline.weight_shapes`) of at least `min_matrix_kbytes`
+    (a smaller product measures its dispatch, not the memory) it holds enough distinct
+    matrices, at least `min_mbytes` in all and in the benchmark's layout (`bench.layout`),
+    that none is still in a cache when it is read again; a round multiplies R rows through
+    each of them, shape by shape (`at`). The keys and values are the step's own size: L
+    layers of B sequences holding S + 1 positions, read by one query per sequence through
+    `labcode.model.attend`. `ceilings` turns the timed rounds into bytes per second, less
+    the fixed cost of the operations they dispatched (the prediction counts that once,
+    for every operation of the step).
+    """
+
+    def __init__(self, cfg: GPTConfig, device: torch.device, min_mbytes: int = 64,
+                 min_matrix_kbytes: int = 512) -> None:
+        from labcode.bench.layout import by_column
+
+        gen = torch.Generator().manual_seed(1)
+        self.cfg, self.device = cfg, device
+        self.weights = {}
+        for o, i, _ in weight_shapes(cfg):
+            if 4 * o * i < min_matrix_kbytes * 1024:
+                continue
+            one = torch.randn(o, i, generator=gen).to(device)
+            one = one.t().contiguous().t() if by_column(o, i) else one
+            copies = max(1, -(-min_mbytes * 2**20 // one.nbytes))
+            self.weights[(o, i)] = [one] + [one.clone(memory_format=torch.preserve_format) for _ in range(copies - 1)]
+        self.bias = {(o, i): torch.zeros(o, device=device) if cfg.bias else None for o, i in self.weights}
+
+    def at(self, rows: int, kv_keys: int | None = None, balance: float = math.inf) -> tuple[dict, dict, object]:
+        """(bytes, operations, one round) of the products of `rows` rows whose intensity is below `balance` (the
+        others are compute-bound: their ceiling is on the compute side) and, for `kv_keys`, of decode attention
+        over that many keys for `rows` sequences; a round returns {name: [(wall, CPU) seconds]}."""
+        cfg, device, e = self.cfg, self.device, 4
+        calls, nbytes = {}, {}
+        for (o, i), ws in self.weights.items():
+            if 2 * rows * o * i / (e * (o * i + rows * (o + i))) >= balance:
+                continue
+            x, b = torch.randn(rows, i, device=device), self.bias[(o, i)]
+            calls[shape_name(o, i)] = lambda x=x, b=b, ws=ws: [F.linear(x, w, b) for w in ws]
+            nbytes[shape_name(o, i)] = sum(w.nbytes for w in ws)
+        if kv_keys:
+            shape = (rows, cfg.n_kv_heads, kv_keys, cfg.head_dim)
+            row = torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, device=device)  # repeated, as `fill_cache` does
+            kv = [(row.expand(shape).contiguous(), row.expand(shape).contiguous()) for _ in range(cfg.n_layers)]
+            q = torch.randn(rows, cfg.n_heads, 1, cfg.head_dim, device=device)
+            calls["K/V"] = lambda: [attend(q, k, v, None) for k, v in kv]
+            cost = decode_cost(cfg, kv_keys - 1, rows)
+            nbytes["K/V"] = cost.kv_read_bytes + cost.act_attention_bytes
+        ops = {name: count_ops(fn) for name, fn in calls.items()}
+        for fn in calls.values():
+            fn()  # warm-up
+
+        def one_round() -> dict:
+            return {name: [timed_cpu(fn, device)] for name, fn in calls.items()}
+
+        return nbytes, ops, one_round
+
+
+def shape_name(n_out: int, n_in: int) -> str:
+    return f"{n_out}x{n_in}"
+
+
+def ceilings(nbytes: dict, ops: dict, seconds: dict, s_per_op: float, bandwidth: float, clock: int = 0) -> dict:
+    """{name: bytes/s} of a `StreamProbe` round's parts: bytes over (median seconds less ops x the fixed cost).
+
+    `seconds` holds (wall, CPU) medians (`medians`), `clock` picks one. A part whose bytes
+    take less time at the `bandwidth` than its operations' fixed cost, or whose fixed cost
+    was more than half its time, measures the dispatch, not the memory: it sets no ceiling.
+    """
+    out = {}
+    for name, n in nbytes.items():
+        t, fixed = seconds[name][clock], ops[name] * s_per_op
+        if n / bandwidth >= fixed and t - fixed > 0.5 * t:
+            out[name] = n / (t - fixed)
+    return out
+
+
+def stream_machine(machine: Machine, rates: dict, rows: int) -> Machine:
+    """`machine` with the memory-side ceilings `rates` ({shape name or "K/V": bytes/s}) measured at `rows` rows."""
+    streams = tuple((*map(int, k.split("x")), rows, b) for k, b in rates.items() if k != "K/V")
+    return replace(machine, stream_ceilings=streams, kv_bandwidth_bytes_per_s=rates.get("K/V"))
 
 
 def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int, warmup: int) -> tuple[int, object]:
@@ -248,17 +347,19 @@ def overhead_probe(cfg: GPTConfig, device: torch.device, position: int = 64, ste
 
 @torch.inference_mode()
 def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1, repeats: int = 5,
-               warmup: int = 2, min_s: float = 0.0, max_rounds: int = 50, beside=None) -> dict:
+               warmup: int = 2, min_s: float = 0.0, max_rounds: int = 50, beside=None, min_rounds: int = 1) -> dict:
     """Median wall and CPU seconds of one forward call of `kind`, and the operations it dispatches.
 
     Decode times `repeats` consecutive steps from S (so the cached length grows by one each
     step; `s_mid` is the middle one); prefill and uncached calls start from the same state
     every time (a fresh cache holding S positions for prefill). Short calls are timed again,
     in rounds from the same state, until the timed calls add up to `min_s` seconds (at most
-    `max_rounds` rounds): a call of a millisecond is otherwise at the mercy of one interruption.
-    `beside`, a function returning (wall, CPU) seconds of some other calls, runs after every
-    round, and the medians of its calls come back as `beside_s` and `beside_cpu_s`: measured
-    in the same moments as the call, whatever the machine's speed did meanwhile.
+    `max_rounds` rounds, `min_rounds` at least): a call of a millisecond is otherwise at the mercy of one
+    interruption.
+    `beside`, a function returning {name: [(wall, CPU) seconds]} of some other calls, runs
+    after every round, and the medians of its calls come back as `beside` ({name: (wall,
+    CPU)}): measured in the same moments as the call, whatever the machine's speed did
+    meanwhile.
     """
     cfg, device = model.cfg, model.device
     gen = torch.Generator().manual_seed(t_new + 7 * s_cached)
@@ -284,12 +385,12 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
             return [timed_cpu(call(), device) for _ in range(repeats)]
 
         s_mid = s_cached
-    runs, other = timed_rounds(one_round, min_s, max_rounds, beside)
+    runs, other = timed_rounds(one_round, min_s, max_rounds, beside, min_rounds)
     walls, cpus = [w for w, _ in runs], [c for _, c in runs]
     out = {"kind": kind, "t_new": t_new, "s_cached": s_cached, "s_mid": s_mid, "batch": batch, "ops": ops,
            "step_s": median(walls), "step_cpu_s": median(cpus), "step_min_s": min(walls), "timed": len(runs)}
     if beside is not None:
-        out.update(beside_s=median([w for w, _ in other]), beside_cpu_s=median([c for _, c in other]))
+        out["beside"] = medians(other)
     return out
 
 
@@ -302,7 +403,7 @@ def predicted(cfg: GPTConfig, point: dict, machine: Machine) -> dict:
 
 def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device: torch.device,
                    models: dict | None = None, repeats: int = 5, min_s: float = 0.0, overhead_steps: int = 3,
-                   progress=None) -> dict:
+                   stream_mbytes: int = 64, min_rounds: int = 1, progress=None) -> dict:
     """Every point of every preset, timed and predicted; `points` holds `points_for`'s arguments.
 
     Decode points time `repeats` steps; prefill and uncached calls, which are longer, about
@@ -311,7 +412,10 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
     `machine` (`overhead_probe`) measure the fixed cost per operation again, and the point is
     predicted with that cost (`machine_at`): a shared machine's speed changes by tens of
     percent from one second to the next, and a cost measured in the same moments as the
-    call changes with it.
+    call changes with it. Beside each decode point a `StreamProbe` round also streams each
+    weight shape with one row and the step's keys and values: the memory-side ceilings it
+    is predicted with (`annotate`); a decode point takes `min_rounds` rounds at least, so
+    that they are the median of as many measurements.
     Returns, per preset, a list of points with their counted cost, the measured seconds, the
     prediction with and without the overhead term, and measured / predicted in both clocks.
     """
@@ -319,31 +423,49 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
 
     out = {}
     probe_ops, probe = overhead_probe(get_config(machine["overhead"]["preset"]), device, steps=overhead_steps)
+    balance = machine_of(machine).balance
     for preset in presets:
         model = (models or {}).get(preset) or random_model(preset, device)
         cfg = model.cfg
+        streams = StreamProbe(cfg, device, stream_mbytes)
         rows = []
         for kind, t, s in points_for(cfg, **points):
+            keys = s + 2 + (repeats - 1) // 2 + 1  # those of the middle timed step (time_point's s_mid, + 1)
+            stream = streams.at(1, keys, balance) if kind == "decode" else ({}, {}, dict)
             row = time_point(model, kind, t, s, repeats=repeats if kind == "decode" else max(1, (repeats + 1) // 2),
-                             min_s=min_s, beside=probe)
+                             min_s=min_s, beside=lambda stream=stream: {"overhead": probe(), **stream[2]()},
+                             min_rounds=min_rounds if kind == "decode" else 1)
             cost = cost_of(cfg, kind, t, row["s_mid"])
             row.update(flops=cost.flops, bytes=cost.bytes, weight_bytes=cost.weight_bytes,
                        kv_bytes=cost.kv_read_bytes + cost.kv_write_bytes, act_bytes=cost.act_bytes,
-                       intensity=cost.intensity, overhead_s_per_op=row.pop("beside_s") / probe_ops,
-                       overhead_cpu_s_per_op=row.pop("beside_cpu_s") / probe_ops)
-            for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
-                pred = predicted(cfg, row, machine_at(machine, row, clock))
-                row["predicted" + suffix] = pred
-                row["ratio" + suffix] = row["step" + suffix + "_s"] / pred["seconds"]
-                row["ratio_no_overhead" + suffix] = row["step" + suffix + "_s"] / pred["t_parts"]
+                       intensity=cost.intensity)
+            annotate(cfg, row, machine, stream, probe_ops)
             rows.append(row)
             if progress is not None:
                 progress.update(1)
         out[preset] = {"config": {"n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "d_model": cfg.d_model,
                                   "vocab_size": cfg.vocab_size, "context_length": cfg.context_length},
                        "points": rows}
-        del model
+        del model, streams
     return out
+
+
+def annotate(cfg: GPTConfig, row: dict, machine: dict, stream: tuple, probe_ops: int) -> None:
+    """Add to a timed point (`time_point` with `beside`) what was measured beside it, the fixed cost per operation
+    and the memory-side ceilings, and its predictions (`predicted`, with them; `plain`, with one bandwidth) and
+    measured / predicted in both clocks."""
+    beside = row.pop("beside")
+    row["overhead_s_per_op"], row["overhead_cpu_s_per_op"] = (x / probe_ops for x in beside.pop("overhead"))
+    nbytes, ops, _ = stream
+    for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
+        plain = machine_at(machine, row, clock)
+        rates = ceilings(nbytes, ops, beside, plain.overhead_s_per_op, plain.bandwidth_bytes_per_s, clock == "cpu")
+        row["ceilings" + suffix] = rates
+        for name, ratio, mach in (("plain", "ratio_plain", plain),
+                                  ("predicted", "ratio", stream_machine(plain, rates, row["batch"]))):
+            row[name + suffix] = predicted(cfg, row, mach)
+            row[ratio + suffix] = row["step" + suffix + "_s"] / row[name + suffix]["seconds"]
+        row["ratio_no_overhead" + suffix] = row["step" + suffix + "_s"] / row["predicted" + suffix]["t_parts"]
 
 
 def worst_factor(ratios: list[float]) -> float:
