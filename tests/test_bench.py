@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from labcode import GPT, get_config
-from labcode.bench import SIZES, random_model, speedup_at_floor
+from labcode.bench import SIZES, random_model
 from labcode.bench.__main__ import main as bench_main
 from labcode.bench.append import AppendSetup, bench_append
 from labcode.bench.decode import ProductsOnly, kv_bytes_per_step, products_only_diff, weight_bytes_per_step
+from labcode.bench.targets import speedup_at_floor
 from labcode.caches import ConcatCache, GrowableCache, PairsCache, RingCache, WindowCache
 from labcode.cost import kv_cache_bytes, kv_cache_elements
 from labcode.flops import (
@@ -113,7 +114,7 @@ def test_targets_are_reported_not_enforced(bench_run):
 
 
 def test_batch_target_names_each_step_outside_the_tolerance():
-    from labcode.bench import batch_target
+    from labcode.bench.targets import batch_target
 
     run = {"s_cached": 128, "batch": [1, 4], "ratio": [1.2, 0.6], "ratio_cpu": [1.1, 0.7],
            "ratio_plain": [1.3, 0.4], "overhead_s_per_op": [4e-6, 5e-6],
@@ -502,3 +503,27 @@ def test_clock_note_says_shared_only_when_the_clocks_disagree():
 
     assert "shared" in clock_note(run(2.5)) and "2.5 times" in clock_note(run(2.5))
     assert "shared" not in clock_note(run(1.05)) and "to itself" in clock_note(run(1.05))
+
+
+def test_committed_record_targets_follow_from_its_values():
+    """The record's targets are `targets` of its own values: the code that judges them and the record agree."""
+    import json
+    import math
+
+    from labcode.bench.targets import targets
+    from labcode.results import repo_root
+
+    doc = json.loads((repo_root() / "qa" / "results" / "bench.json").read_text())
+
+    def same(a, b) -> bool:
+        if isinstance(a, float) and isinstance(b, float):
+            return a == b or (math.isnan(a) and math.isnan(b))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    recomputed = json.loads(json.dumps(targets(doc["values"])))
+    assert [t["name"] for t in recomputed] == [t["name"] for t in doc["values"]["targets"]]
+    assert same(recomputed, doc["values"]["targets"])
