@@ -241,7 +241,6 @@ class Machine:
             return self.peak_flops_per_s
         return min(_log_interpolate(list(ceil), rows), self.peak_flops_per_s)
 
-
     def stream_for(self, n_out: int, n_in: int, rows: int) -> float:
         """The bytes/s at which a product of `rows` rows streams a weight [n_out, n_in]: never above the bandwidth.
 
@@ -297,8 +296,8 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     `machine.peak_for(cost.rows)`, attention at the peak. On the memory side each shape of
     weight streams at `machine.stream_for(out, in, rows)`, and a decode step's keys and
     values (one query per sequence) at `machine.kv_bandwidth_bytes_per_s` where the machine
-    has it (never above the bandwidth); every other byte at the bandwidth. On a CPU the fixed cost of the operations
-    adds to it.
+    has it (never above the bandwidth); every other byte at the bandwidth. On a CPU the
+    fixed cost of the operations adds to it.
     """
     _count("ops", ops, 0)
     peak, bw = machine.peak_flops_per_s, machine.bandwidth_bytes_per_s

@@ -167,7 +167,7 @@ def test_the_benchmark_records_every_eager_variant_and_its_targets():
 def test_compile_times_are_recorded_from_an_empty_compile_cache(tmp_path, monkeypatch):
     import os
 
-    from labcode.bench import fresh_compile_cache
+    from labcode.bench.compiled import fresh_compile_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with fresh_compile_cache():

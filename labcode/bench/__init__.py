@@ -21,9 +21,7 @@ the other values by `labcode.bench.targets`.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,7 +29,7 @@ import torch
 from labcode.bench.append import KINDS as APPEND_KINDS
 from labcode.bench.append import AppendSetup, bench_append, bench_append_attention
 from labcode.bench.batch import bench_batch, critical_batch_curve
-from labcode.bench.compiled import bench_compiled, float64_check
+from labcode.bench.compiled import bench_compiled, float64_check, fresh_compile_cache
 from labcode.bench.decode import (
     ProductsOnly,
     bench_floor,
@@ -341,45 +339,25 @@ def compiled_model(preset: str, device: torch.device) -> GPT:
     return random_model(preset, device)
 
 
-@contextmanager
-def fresh_compile_cache():
-    """Inductor's on-disk cache in a new, empty directory while the block runs: every compile time recorded is
-    that of a first run, not of a machine that compiled the same code before."""
-    keep = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="kvcv-inductor-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        try:
-            yield
-        finally:
-            if keep is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = keep
-
-
 def _compiled_benchmarks(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:
     """The model's eager decode step, the fused step eager and compiled, and the floor, for every preset; compiled
     with an empty compile cache (`fresh_compile_cache`)."""
-    with fresh_compile_cache():
-        _compiled_runs(res, sizes, device, progress)
-
-
-def _compiled_runs(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:
     streamer = Streamer(sizes.bandwidth_mbytes, device)
     runs = {}
-    with _bar(sizes.compiled_rounds * len(sizes.compiled_positions) * len(sizes.compiled_presets), "compiled",
-              progress) as bar:
-        for preset in sizes.compiled_presets:
-            model = compiled_model(preset, device)
-            cap = min(model.cfg.context_length, sizes.compiled_capacity)
-            positions = tuple(int(f * cap) for f in sizes.compiled_positions)
-            runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
-                                          streamer, capacity=cap, compile=sizes.compile,
-                                          concat=preset == sizes.floor_preset, progress=bar)
-            del model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        exact = float64_check(GPT(get_config("tiny")).double().eval(), compile=sizes.compile)
+    n_rounds = sizes.compiled_rounds * len(sizes.compiled_positions) * len(sizes.compiled_presets)
+    with fresh_compile_cache():
+        with _bar(n_rounds, "compiled", progress) as bar:
+            for preset in sizes.compiled_presets:
+                model = compiled_model(preset, device)
+                cap = min(model.cfg.context_length, sizes.compiled_capacity)
+                positions = tuple(int(f * cap) for f in sizes.compiled_positions)
+                runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
+                                              streamer, capacity=cap, compile=sizes.compile,
+                                              concat=preset == sizes.floor_preset, progress=bar)
+                del model
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            exact = float64_check(GPT(get_config("tiny")).double().eval(), compile=sizes.compile)
     res.value("compiled", {"runs": runs, "float64": exact, "compiled": sizes.compile,
                            "compile_cache": "empty at the start of the run"}, TIMED)
     for kind, run in exact.items():

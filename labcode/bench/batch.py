@@ -8,7 +8,15 @@ from which batch a step is compute-bound, and how the context moves that point.
 
 from __future__ import annotations
 
-from labcode.bench.roofline import StreamProbe, annotate, machine_of, overhead_probe, time_point
+from labcode.bench.roofline import (
+    StreamProbe,
+    annotate,
+    beside_call,
+    machine_of,
+    middle_keys,
+    overhead_probe,
+    time_point,
+)
 from labcode.config import get_config
 from labcode.model import GPT
 from labcode.roofline import Machine, context_limit, critical_batch, weights_critical_batch
@@ -36,10 +44,9 @@ def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...],
     for s in contexts:
         points = []
         for b in batches:
-            keys = s + 2 + (steps - 1) // 2 + 1  # those of the middle timed step (time_point's s_mid, + 1)
-            stream = streams.at(b, keys, balance)
+            stream = streams.at(b, middle_keys(s, steps), balance)
             pt = time_point(model, "decode", 1, s, batch=b, repeats=steps, min_s=min_s, min_rounds=min_rounds,
-                            beside=lambda stream=stream: {"overhead": probe(), **stream[2]()})
+                            beside=beside_call(probe, stream))
             annotate(cfg, pt, machine, stream, probe_ops)
             points.append(pt)
             del stream
@@ -53,18 +60,16 @@ def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...],
                # how much longer a step of B sequences takes than a step of one: 1.0 while the weights' reads dominate
                "step_over_first": [p["step_s"] / first["step_s"] for p in points],
                "step_over_first_cpu": [p["step_cpu_s"] / first["step_cpu_s"] for p in points]}
-        for suffix in ("", "_cpu"):
-            for name in ("predicted", "plain"):
-                preds = [p[name + suffix] for p in points]
-                run[name + suffix] = {"step_s": [q["seconds"] for q in preds],
-                                      "tokens_per_s": [b / q["seconds"] for b, q in zip(batches, preds, strict=True)],
-                                      **{k: [q[k] for q in preds] for k in ("t_math", "t_memory", "t_parts",
-                                                                             "t_overhead", "bound")}}
-            for key in ("ratio", "ratio_plain", "ceilings", "overhead_s_per_op"):
-                k = key + suffix if key != "overhead_s_per_op" else key.replace("_s_per_op", suffix + "_s_per_op")
-                run[k] = [p[k] for p in points]
-            run["critical_batch" + suffix] = critical_batch(cfg, first["s_mid"],
-                                                            machine_of(machine, suffix.strip("_") or "wall"))
+        for name in ("predicted", "predicted_cpu", "plain", "plain_cpu"):
+            preds = [p[name] for p in points]
+            run[name] = {"step_s": [q["seconds"] for q in preds],
+                         "tokens_per_s": [b / q["seconds"] for b, q in zip(batches, preds, strict=True)],
+                         **{k: [q[k] for q in preds] for k in ("t_math", "t_memory", "t_parts", "t_overhead", "bound")}}
+        for k in ("ratio", "ratio_cpu", "ratio_plain", "ratio_plain_cpu", "ceilings", "ceilings_cpu",
+                  "overhead_s_per_op", "overhead_cpu_s_per_op"):
+            run[k] = [p[k] for p in points]
+        for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
+            run["critical_batch" + suffix] = critical_batch(cfg, first["s_mid"], machine_of(machine, clock))
         runs.append(run)
     del streams
     return {"preset_config": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,

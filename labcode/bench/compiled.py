@@ -15,7 +15,10 @@ compares the compiled one against both.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +206,23 @@ class FusedDecode:
             buf.copy_(kept)
         self.reset(position)
         return seconds
+
+
+@contextmanager
+def fresh_compile_cache():
+    """Inductor's on-disk cache in a new, empty directory while the block runs: every compile time recorded is
+    that of a first run, not of a machine that compiled the same code before."""
+    keep = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="kvcv-inductor-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if keep is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = keep
+
 
 
 # ---------------------------------------------------------------------------------------------------------------

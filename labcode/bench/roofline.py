@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +224,27 @@ def timed_rounds(one_round, min_s: float = 0.0, max_rounds: int = 50, beside=Non
     return runs, other
 
 
+class StreamRound(NamedTuple):
+    """What `StreamProbe.at` measures beside a call: the bytes and operations of each part, and one timed round."""
+
+    nbytes: dict
+    ops: dict
+    one_round: Callable[[], dict]
+
+
+NO_STREAMS = StreamRound({}, {}, dict)  # beside a prefill or an uncached call: nothing
+
+
+def middle_keys(s_cached: int, repeats: int, warmup: int = 2) -> int:
+    """The keys the middle timed step of a decode point attends to (`time_point`'s s_mid, + 1)."""
+    return s_cached + warmup + (repeats - 1) // 2 + 1
+
+
+def beside_call(probe, stream: StreamRound):
+    """`time_point`'s `beside`: the fixed-cost probe's steps and a round of the memory-side ceilings."""
+    return lambda: {"overhead": probe(), **stream.one_round()}
+
+
 def medians(timed_calls: dict) -> dict:
     """{name: (median wall, median CPU seconds)} of `timed_rounds`'s calls beside."""
     return {k: (median([w for w, _ in v]), median([c for _, c in v])) for k, v in timed_calls.items()}
@@ -258,7 +281,7 @@ class StreamProbe:
             self.weights[(o, i)] = [one] + [one.clone(memory_format=torch.preserve_format) for _ in range(copies - 1)]
         self.bias = {(o, i): torch.zeros(o, device=device) if cfg.bias else None for o, i in self.weights}
 
-    def at(self, rows: int, kv_keys: int | None = None, balance: float = math.inf) -> tuple[dict, dict, object]:
+    def at(self, rows: int, kv_keys: int | None = None, balance: float = math.inf) -> StreamRound:
         """(bytes, operations, one round) of the products of `rows` rows whose intensity is below `balance` (the
         others are compute-bound: their ceiling is on the compute side) and, for `kv_keys`, of decode attention
         over that many keys for `rows` sequences; a round returns {name: [(wall, CPU) seconds]}."""
@@ -285,7 +308,7 @@ class StreamProbe:
         def one_round() -> dict:
             return {name: [timed_cpu(fn, device)] for name, fn in calls.items()}
 
-        return nbytes, ops, one_round
+        return StreamRound(nbytes, ops, one_round)
 
 
 def shape_name(n_out: int, n_in: int) -> str:
@@ -430,10 +453,9 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
         streams = StreamProbe(cfg, device, stream_mbytes)
         rows = []
         for kind, t, s in points_for(cfg, **points):
-            keys = s + 2 + (repeats - 1) // 2 + 1  # those of the middle timed step (time_point's s_mid, + 1)
-            stream = streams.at(1, keys, balance) if kind == "decode" else ({}, {}, dict)
+            stream = streams.at(1, middle_keys(s, repeats), balance) if kind == "decode" else NO_STREAMS
             row = time_point(model, kind, t, s, repeats=repeats if kind == "decode" else max(1, (repeats + 1) // 2),
-                             min_s=min_s, beside=lambda stream=stream: {"overhead": probe(), **stream[2]()},
+                             min_s=min_s, beside=beside_call(probe, stream),
                              min_rounds=min_rounds if kind == "decode" else 1)
             cost = cost_of(cfg, kind, t, row["s_mid"])
             row.update(flops=cost.flops, bytes=cost.bytes, weight_bytes=cost.weight_bytes,
@@ -450,16 +472,16 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
     return out
 
 
-def annotate(cfg: GPTConfig, row: dict, machine: dict, stream: tuple, probe_ops: int) -> None:
+def annotate(cfg: GPTConfig, row: dict, machine: dict, stream: StreamRound, probe_ops: int) -> None:
     """Add to a timed point (`time_point` with `beside`) what was measured beside it, the fixed cost per operation
     and the memory-side ceilings, and its predictions (`predicted`, with them; `plain`, with one bandwidth) and
     measured / predicted in both clocks."""
     beside = row.pop("beside")
     row["overhead_s_per_op"], row["overhead_cpu_s_per_op"] = (x / probe_ops for x in beside.pop("overhead"))
-    nbytes, ops, _ = stream
     for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
         plain = machine_at(machine, row, clock)
-        rates = ceilings(nbytes, ops, beside, plain.overhead_s_per_op, plain.bandwidth_bytes_per_s, clock == "cpu")
+        rates = ceilings(stream.nbytes, stream.ops, beside, plain.overhead_s_per_op, plain.bandwidth_bytes_per_s,
+                         clock == "cpu")
         row["ceilings" + suffix] = rates
         for name, ratio, mach in (("plain", "ratio_plain", plain),
                                   ("predicted", "ratio", stream_machine(plain, rates, row["batch"]))):
