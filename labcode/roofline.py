@@ -187,8 +187,9 @@ class Machine:
 
     The memory side has ceilings too. `stream_ceilings` holds (out, in, R, bytes/s): the
     rate at which products of R rows streamed weights of that shape where they were
-    memory-bound, and `kv_bandwidth_bytes_per_s` the rate at which decode attention read
-    its keys and values; `stream_for` reads them. Empty or None: the `bandwidth`.
+    memory-bound, and `kv_bandwidth_bytes_per_s` the rate at which decode attention moved
+    its bytes (its keys and values, and the queries, scores and outputs beside them);
+    `stream_for` reads them. Empty or None: the `bandwidth`.
     """
 
     peak_flops_per_s: float  # a large matrix product
@@ -295,8 +296,9 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     decode step at batch 1). The products with weights compute at most at
     `machine.peak_for(cost.rows)`, attention at the peak. On the memory side each shape of
     weight streams at `machine.stream_for(out, in, rows)`, and a decode step's keys and
-    values (one query per sequence) at `machine.kv_bandwidth_bytes_per_s` where the machine
-    has it (never above the bandwidth); every other byte at the bandwidth. On a CPU the
+    values (one query per sequence), with the queries, scores and outputs that attention moves
+    beside them, at `machine.kv_bandwidth_bytes_per_s` where the machine has it (never above
+    the bandwidth); every other byte at the bandwidth. On a CPU the
     fixed cost of the operations adds to it.
     """
     _count("ops", ops, 0)
@@ -306,7 +308,8 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     for o, i, n in cost.shape_bytes:
         memory["products with weights"] += n / machine.stream_for(o, i, cost.rows) - n / bw
     if machine.kv_bandwidth_bytes_per_s and cost.queries == 1:
-        memory["attention"] += cost.kv_read_bytes * (1 / min(machine.kv_bandwidth_bytes_per_s, bw) - 1 / bw)
+        moved = cost.kv_read_bytes + cost.act_attention_bytes  # what the probe streams: `attention`'s bytes
+        memory["attention"] += moved * (1 / min(machine.kv_bandwidth_bytes_per_s, bw) - 1 / bw)
     t_parts = sum(max(f / peaks.get(k, peak), memory[k]) for k, (f, _) in cost.parts().items())
     t_overhead = ops * machine.overhead_s_per_op
     seconds = max(t_parts, t_overhead) if machine.overlapped else t_parts + t_overhead
