@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from labcode.attention import repeat_kv_attention
+from labcode.bench.common import TIMED, Sizes, bar
 from labcode.bench.timing import median, rotated, timed
 from labcode.caches import ConcatCache, GrowableCache, RingCache, WindowCache
 from labcode.model import attend
+from labcode.results import QAResult
 
 
 @dataclass(frozen=True)
@@ -234,3 +236,17 @@ def bench_append_attention(setup: AppendSetup, caches: list[str], rounds: int, d
         "median_step_s": {combo: median(per_step[combo]) for combo in combos},
         "max_output_diff": max(float((o - ref).abs().max()) for o in outputs.values()),
     }
+
+
+def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:
+    """The append benchmarks, one position into every layer (`append`), and append plus attention."""
+    append = {}
+    for name, prefill in zip(("candle", "long"), sizes.append_prefills, strict=True):
+        setup = AppendSetup(name, prefill, sizes.append_decode, n_layers=sizes.append_layers)
+        with bar((sizes.append_rounds + 1) * setup.decode, f"append {name}", progress) as shown:
+            append[name] = bench_append(setup, list(KINDS), sizes.append_rounds, device, progress=shown)
+    res.value("append", append, TIMED)
+    setup = AppendSetup("candle", sizes.append_prefills[0], sizes.attention_decode, n_layers=sizes.append_layers)
+    with bar((sizes.attention_rounds + 1) * setup.decode, "append + attention", progress) as shown:
+        res.value("append_attention", bench_append_attention(setup, ["cat", "slice"], sizes.attention_rounds,
+                                                             device, progress=shown), TIMED)

@@ -8,6 +8,9 @@ from which batch a step is compute-bound, and how the context moves that point.
 
 from __future__ import annotations
 
+import torch
+
+from labcode.bench.common import TIMED, Sizes, bar, random_model
 from labcode.bench.roofline import (
     StreamProbe,
     annotate,
@@ -19,6 +22,7 @@ from labcode.bench.roofline import (
 )
 from labcode.config import get_config
 from labcode.model import GPT
+from labcode.results import QAResult
 from labcode.roofline import Machine, context_limit, critical_batch, weights_critical_batch
 
 
@@ -88,3 +92,23 @@ def critical_batch_curve(cfg, machine: Machine, contexts: list[int], kv_heads: t
     out["weights_critical_batch"] = weights_critical_batch(cfg, machine)
     return out
 
+
+
+def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, models: dict, progress: bool) -> None:
+    """Decode against the batch size at each of `sizes.batch_runs`, with the critical batch against the context."""
+    wall = machine_of(measured)
+    batch = {}
+    n_runs = sum(len(b) * len(c) for _, b, c in sizes.batch_runs)
+    with bar(n_runs, "batch", progress) as shown:
+        for preset, batches, contexts in sizes.batch_runs:
+            model = models.get(preset) or random_model(preset, device)
+            batch[preset] = bench_batch(model, batches, contexts, measured, sizes.batch_steps, sizes.batch_min_s,
+                                        sizes.roofline_overhead_steps, sizes.stream_mbytes,
+                                        sizes.decode_min_rounds, progress=shown)
+            cfg = model.cfg
+            batch[preset]["curve"] = critical_batch_curve(cfg, wall, list(range(0, cfg.context_length + 1,
+                                                                              max(1, cfg.context_length // 64))),
+                                                          kv_heads=tuple(h for h in (cfg.n_heads // 4, 1)
+                                                                         if 0 < h < cfg.n_heads))
+            del model
+    res.value("batch", batch, TIMED)

@@ -23,12 +23,15 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from labcode.bench.common import TIMED, Sizes, bar, random_model
 from labcode.bench.roofline import fill_cache
-from labcode.bench.timing import median, rotated, sync
+from labcode.bench.timing import Streamer, median, rotated, sync
 from labcode.caches import WindowCache
 from labcode.checks import fail
+from labcode.config import get_config
 from labcode.generate import decode_step
 from labcode.model import GPT
+from labcode.results import QAResult
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
@@ -470,3 +473,42 @@ def compiled_targets(record: dict | None) -> list[dict]:
                         + ": the copy a concatenating step makes is a small part of a step that reads "
                         f"{r['weight_bytes'] / 1e6:.0f} MB of weights"})
     return out
+
+
+def compiled_model(preset: str, device: torch.device) -> GPT:
+    """The model a compiled-step benchmark runs: the real model (float32) for "smollm2-135m", else `random_model`."""
+    if preset == "smollm2-135m":
+        from labcode.weights.smollm2 import load_smollm2
+
+        return load_smollm2(torch.float32, device)[0].eval()
+    return random_model(preset, device)
+
+
+def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:
+    """The model's eager decode step, the fused step eager and compiled, and the floor, for every preset; compiled
+    with an empty compile cache (`fresh_compile_cache`)."""
+    streamer = Streamer(sizes.bandwidth_mbytes, device)
+    runs = {}
+    n_rounds = sizes.compiled_rounds * len(sizes.compiled_positions) * len(sizes.compiled_presets)
+    with fresh_compile_cache():
+        with bar(n_rounds, "compiled", progress) as shown:
+            for preset in sizes.compiled_presets:
+                model = compiled_model(preset, device)
+                cap = min(model.cfg.context_length, sizes.compiled_capacity)
+                positions = tuple(int(f * cap) for f in sizes.compiled_positions)
+                runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
+                                              streamer, capacity=cap, compile=sizes.compile,
+                                              concat=preset == sizes.floor_preset, progress=shown)
+                del model
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            exact = float64_check(GPT(get_config("tiny")).double().eval(), compile=sizes.compile)
+    res.value("compiled", {"runs": runs, "float64": exact, "compiled": sizes.compile,
+                           "compile_cache": "empty at the start of the run"}, TIMED)
+    for kind, run in exact.items():
+        res.check(f"fused_step_float64_{kind}", f"the fused decode step ({'compiled' if sizes.compile else 'eager'}"
+                  f", {kind} cache) equals the model's full pass at tiny in float64", run["max_logit_diff"], 1e-12,
+                  "<=")
+    for preset, run in runs.items():
+        res.check(f"fused_step_logits_{preset}", f"every fused decode step computes the model's logits at {preset} "
+                  "(float32)", max(run["max_logit_diff"].values()), 1e-3, "<=")

@@ -12,12 +12,14 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from labcode.bench.common import TIMED, Sizes, bar, random_model
 from labcode.bench.timing import Streamer, median, rotated, timed, timed_cpu
 from labcode.caches import ConcatCache, GrowableCache, Request, RingCache, WindowCache
 from labcode.cost import kv_cache_bytes
 from labcode.flops import generation_flops
 from labcode.generate import decode_step
 from labcode.model import GPT, attend, rotate
+from labcode.results import QAResult
 
 METHODS = ("nocache", "cat", "window", "ring", "grow_linear", "grow_double", "naive", "explicit")
 
@@ -295,3 +297,15 @@ def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
         row["calls_per_step"] += e.count / steps
         row["self_s_per_step"] += self_us / 1e6 / steps
     return sorted((r for r in rows.values() if r["self_s_per_step"] > 0), key=lambda r: -r["self_s_per_step"])
+
+
+def record_generation(res: QAResult, sizes: Sizes, device: torch.device, models: dict, progress: bool) -> None:
+    """Greedy generation with no cache and with every cache at each of `sizes.generation`; the models it built are
+    left in `models` for the sections after it."""
+    generation = {}
+    for preset, prompt, new, rounds in sizes.generation:
+        models[preset] = models.get(preset) or random_model(preset, device)
+        with bar(rounds * new, f"generation {preset}", progress) as b:
+            generation[preset] = bench_generation(models[preset], prompt, new, rounds, progress=b)
+        generation[preset]["preset"] = preset
+    res.value("generation", generation, TIMED)

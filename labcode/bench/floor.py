@@ -21,11 +21,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from labcode.bench.common import TIMED, Sizes, bar
+from labcode.bench.decode import ProductsOnly, bench_floor, overhead_step, products_only_diff, profile_decode
+from labcode.bench.layout import row_major_copy
 from labcode.bench.roofline import fill_cache
-from labcode.bench.timing import median, per_call, rotated, timed_cpu
+from labcode.bench.timing import Streamer, linear_layouts, median, per_call, rotated, timed_cpu
 from labcode.caches import ConcatCache, WindowCache
 from labcode.generate import decode_step
 from labcode.model import GPT, attend, rotate
+from labcode.results import QAResult
 
 CATEGORIES = ("q/k/v projections", "output projection", "MLP up", "MLP down", "head", "attention", "cache write",
               "other")
@@ -368,3 +372,46 @@ def validation_cost(model: GPT, position: int = 16) -> dict:
     ids_us = per_call(lambda: model.check_ids(ids), device) * 1e6
     return {"cache_check_us": check_us, "check_ids_us": ids_us, "checks_per_step_now": 1,
             "per_step_now_us": check_us + ids_us, "per_step_once_us": check_us + ids_us}
+
+
+def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: bool) -> None:
+    """Decode against the bandwidth floor: whole steps, operation by operation, and window against concat."""
+    streamer = Streamer(sizes.bandwidth_mbytes, device)
+    bw = streamer.measure()
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n})
+    fused = {(model.cfg.n_heads * model.cfg.head_dim + 2 * model.cfg.n_kv_heads * model.cfg.head_dim,
+              model.cfg.d_model)}
+    products = product_variants(sorted(set(shapes) | fused), device, min_mbytes=sizes.bandwidth_mbytes // 2)
+    layouts = {tuple(r["shape"]): r["best_addmv_layout"] for r in products}
+    lean = LeanDecode(model, lean=True, layouts=layouts)
+    with bar(sizes.floor_rounds * len(sizes.floor_positions), "bandwidth floor", progress) as shown:
+        floor = bench_floor(model, list(sizes.floor_positions), sizes.floor_steps, sizes.floor_rounds, streamer,
+                            variants={"row-major weights": row_major_copy(model), "products only": ProductsOnly(model),
+                                      "lean": lean}, progress=shown)
+    floor["preset"], floor["device"] = sizes.floor_preset, device.type
+    floor["products_only_max_logit_diff"] = products_only_diff(model, sizes.floor_positions[-1])
+    floor["lean_max_logit_diff"] = lean_diff(model, sizes.floor_positions[-1], layouts)
+    floor["overhead"] = overhead_step(model, sizes.floor_positions[len(sizes.floor_positions) // 2])
+    res.value("floor", floor, TIMED)
+    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2), TIMED)
+    bandwidth = {"wall": bw["best"], "cpu": bw["best_cpu"]}
+    cfg = model.cfg
+    res.value("floor_ops", {
+        "preset": sizes.floor_preset, "bandwidth": bandwidth, "layouts": {f"{o}x{i}": lay for (o, i), lay in
+                                                                          layouts.items()},
+        "model": op_breakdown(LeanDecode(model, lean=False), sizes.floor_ops_position, sizes.floor_ops_steps,
+                              bandwidth),
+        "lean": op_breakdown(lean, sizes.floor_ops_position, sizes.floor_ops_steps, bandwidth),
+        "products": products,
+        "kv_reads": kv_read_variants(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, sizes.kv_read_lengths,
+                                     device, capacity=cfg.context_length),
+        "validation": validation_cost(model),
+    }, TIMED)
+    del streamer, lean
+    positions = [p for p in sizes.window_concat_positions if p + sizes.window_concat_steps + 3 < cfg.context_length]
+    with bar(sizes.window_concat_rounds * len(positions), "window vs concat", progress) as shown:
+        res.value("window_vs_concat", bench_window_vs_concat(model, positions, sizes.window_concat_steps,
+                                                             sizes.window_concat_rounds, bandwidth=bw["best"],
+                                                             progress=shown), TIMED)
+    if sizes.profile_steps:
+        res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), TIMED)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from labcode.bench.common import TIMED, Sizes
 from labcode.bench.roofline import fill_cache
 from labcode.caches import WindowCache
 from labcode.capacity import (
@@ -22,9 +23,10 @@ from labcode.capacity import (
     paged_fit,
     unused_slots,
 )
-from labcode.config import GPTConfig
+from labcode.config import GPTConfig, get_config
 from labcode.engines import BlockPool, PagedCache, QuantizedCache
 from labcode.model import GPT
+from labcode.results import QAResult
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -139,3 +141,14 @@ def concurrency_sweep(cfg: GPTConfig, budget_bytes: int, block_size: int = 16, g
             out["paged"][f"{layout}/{name}"] = [paged_fit(budget_bytes, n, block_size, tok) for n in lengths]
             out["plain"][f"{layout}/{name}"] = contiguous_fit(budget_bytes, cfg.context_length, tok)
     return out
+
+
+def record(res: QAResult, sizes: Sizes) -> None:
+    """How many sequences fit at GPT-2 124M shapes, and the formulas checked against allocated caches (tiny)."""
+    budget = int(sizes.memory_budget_gib * 2**30)
+    table = concurrency(get_config("gpt2-124m"), budget, sizes.memory_lengths, sizes.memory_block_size)
+    rows = allocation_check(get_config("tiny"), 3 * 2**16, 21, 8)
+    res.value("memory", {
+        "concurrency": table, "sweep": concurrency_sweep(get_config("gpt2-124m"), budget, sizes.memory_block_size),
+        "allocation": {"preset": "tiny", "budget_bytes": 3 * 2**16, "length": 21, "block_size": 8, "rows": rows,
+                       "agrees": allocation_agrees(rows)}}, TIMED)

@@ -15,6 +15,7 @@ predicted with them.
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -24,11 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labcode.bench.timing import Streamer, median, timed_cpu
+from labcode.bench.common import TIMED, Sizes, bar, random_model
+from labcode.bench.timing import Streamer, matmul_flops_per_s, median, op_overhead, timed_cpu
 from labcode.caches import WindowCache
 from labcode.config import GPTConfig, get_config
 from labcode.generate import decode_step
 from labcode.model import GPT, attend
+from labcode.results import QAResult
 from labcode.roofline import Machine, StepCost, decode_cost, predict, prefill_cost, uncached_cost, weight_shapes
 
 KINDS = ("prefill", "decode", "uncached")
@@ -442,7 +445,6 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
     Returns, per preset, a list of points with their counted cost, the measured seconds, the
     prediction with and without the overhead term, and measured / predicted in both clocks.
     """
-    from labcode.bench import random_model  # the package imports this module
 
     out = {}
     probe_ops, probe = overhead_probe(get_config(machine["overhead"]["preset"]), device, steps=overhead_steps)
@@ -564,3 +566,61 @@ def overhead_crossover(cfg: GPTConfig, machine: Machine, ops: int, widths: tuple
     above = [r["d_model"] for r in rows if r["t_parts"] >= r["t_overhead"]]
     return {"n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size, "ops": ops,
             "widths": rows, "crossover_d_model": min(above) if above else None}
+
+
+def record_machine(res: QAResult, sizes: Sizes, device: torch.device) -> dict:
+    """The machine: the fixed cost of small operations, the peak, the bandwidth and the ceilings of products of few
+    rows; returns the measurements the roofline predicts with."""
+    res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device),
+                          "matmul_flops_per_s": matmul_flops_per_s(device)}, TIMED)
+    measured = measure_machine(device, sizes.bandwidth_mbytes, sizes.overhead_preset, sizes.overhead_min_s)
+    measured["rows"] = measure_rows(device, sizes.rows_shape, min_mbytes=sizes.bandwidth_mbytes // 4)
+    res.value("roofline_machine", measured, TIMED)
+    return measured
+
+
+def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, models: dict,
+                         progress: bool) -> None:
+    """The roofline's predictions against the clock at every preset, and its summary."""
+    points = {"prefill": sizes.roofline_prefill, "decode": sizes.roofline_decode,
+              "uncached": sizes.roofline_uncached, "decode_steps": sizes.roofline_repeats}
+    n_points = sum(len(points_for(get_config(p), **points)) for p in sizes.roofline_presets)
+    with bar(n_points, "roofline", progress) as shown:
+        result = bench_roofline(sizes.roofline_presets, points, measured, device, models,
+                                repeats=sizes.roofline_repeats, min_s=sizes.roofline_min_s,
+                                overhead_steps=sizes.roofline_overhead_steps, stream_mbytes=sizes.stream_mbytes,
+                                min_rounds=sizes.decode_min_rounds, progress=shown)
+    res.value("roofline", result, TIMED)
+    wall = machine_of(measured)
+    overhead = measured["overhead"]
+    extra = {"crossover": {p: overhead_crossover(get_config(p), wall, _decode_ops(result[p]))
+                           for p in sizes.roofline_presets}}
+    for preset, run in res.doc["values"]["generation"].items():
+        if preset in result:
+            extra.setdefault("generation", {})[preset] = roofline_speedup(get_config(preset), run, result[preset],
+                                                                          wall)
+    res.value("roofline_summary", {**summary(result), "overhead_measured_on": overhead["preset"], **extra}, TIMED)
+
+def _decode_ops(run: dict) -> int:
+    """Operations a batch-1 decode step dispatched in a roofline run (after the first step)."""
+    ops = [p["ops"] for p in run["points"] if p["kind"] == "decode"]
+    return min(ops) if ops else 0
+
+
+def roofline_speedup(cfg, run: dict, roofline_run: dict, machine) -> dict:
+    """The roofline's prediction of a generation benchmark's totals, with and without a cache, and the speedup.
+
+    Each call is predicted with the operation counts the roofline run measured for its kind.
+    """
+    ops = {kind: [p["ops"] for p in roofline_run["points"] if p["kind"] == kind] for kind in ("prefill", "decode",
+                                                                                             "uncached")}
+    ops = {k: (min(v) if v else 0) for k, v in ops.items()}
+    p0, n = run["prompt_len"], run["new_tokens"]
+    nocache = [predict(uncached_cost(cfg, p0 + i), machine, ops["uncached"]).seconds for i in range(n)]
+    cached = [predict(prefill_cost(cfg, p0), machine, ops["prefill"]).seconds] + [
+        predict(decode_cost(cfg, p0 + i - 1), machine, ops["decode"]).seconds for i in range(1, n)]
+    measured = run["speedup"]["window"]
+    pred = sum(nocache) / sum(cached)
+    return {"predicted_nocache_s": sum(nocache), "predicted_cached_s": sum(cached), "predicted_speedup": pred,
+            "measured_speedup": measured, "ratio": measured / pred,
+            "measured_nocache_s": run["total_s"]["nocache"], "measured_cached_s": run["total_s"]["window"]}

@@ -1,0 +1,56 @@
+"""The benchmark's correctness checks: the FLOP formulas against FlopCounterMode, and every timed variant against
+the model (caches' contents, attention methods, logits, allocated memory).
+
+Introduced in chapter 7. These are the record's only checks; its timings are recorded, never compared.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labcode.bench.common import random_model
+from labcode.flops import forward_flops, measure_flops
+from labcode.results import QAResult
+
+
+def record(res: QAResult) -> None:
+    """Every check of the record, after its measurements."""
+    _flop_checks(res)
+    _correctness_checks(res)
+
+
+def _flop_checks(res: QAResult) -> None:
+    """The FLOP formulas against FlopCounterMode on a small random model: a full forward and a decode step."""
+    from labcode.caches import ConcatCache
+
+    model = random_model("tiny", torch.device("cpu"))
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full, _ = measure_flops(lambda: model(ids))
+        cache = ConcatCache(cfg.n_layers)
+        model(ids[:, :11], cache)
+        step, _ = measure_flops(lambda: model(ids[:, 11:], cache))
+    res.check("flops_full_forward", "FLOP formula equals FlopCounterMode: full forward, B=2, T=12",
+              full, forward_flops(cfg, 12, 0, 2), "==")
+    res.check("flops_decode_step", "FLOP formula equals FlopCounterMode: decode step after 11 cached",
+              step, forward_flops(cfg, 1, 11, 2), "==")
+
+
+def _correctness_checks(res: QAResult) -> None:
+    v = res.doc["values"]
+    for name, run in v["append"].items():
+        res.check(f"append_{name}_contents", f"every cache holds the same keys after the {name} benchmark",
+                  run["max_content_diff"], 0.0, "==")
+    res.check("attention_methods_agree", "repeat-KV, GQA and SDPA attention agree (float32)",
+              v["append_attention"]["max_output_diff"], 1e-5, "<=")
+    for preset, run in v["generation"].items():
+        worst = max(run["max_logit_diff"].values())
+        res.check(f"generation_{preset}_logits", f"every cache's logits match no-cache generation at {preset} "
+                  "(float32)", worst, 1e-3, "<=")
+    res.check("products_only_logits", "the products-only decode step computes the model's logits (float32)",
+              v["floor"]["products_only_max_logit_diff"], 1e-3, "<=")
+    res.check("lean_logits", "the benchmark's lean decode step computes the model's logits (float32)",
+              v["floor"]["lean_max_logit_diff"], 1e-3, "<=")
+    res.check("memory_allocation", "sequences admitted, bytes held and empty slots of real caches (plain, paged, "
+              "int8) equal the capacity formulas", v["memory"]["allocation"]["agrees"], True, "==")
