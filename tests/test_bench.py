@@ -114,19 +114,32 @@ def test_targets_are_reported_not_enforced(bench_run):
 
 
 def test_batch_target_names_each_step_outside_the_tolerance():
-    from labcode.bench.targets import batch_target
+    from labcode.bench.targets import targets
 
     run = {"s_cached": 128, "batch": [1, 4], "ratio": [1.2, 0.6], "ratio_cpu": [1.1, 0.7],
            "ratio_plain": [1.3, 0.4], "overhead_s_per_op": [4e-6, 5e-6],
            "ceilings": [{"768x768": 1.5e10}, {"768x768": 8e9, "3072x768": 9.5e9, "K/V": 1.7e10}],
            "predicted": {"bound": ["memory", "memory"]}}
-    t = batch_target({"batch": {"gpt2-124m": {"runs": [run]}}})
+    [t] = targets({"batch": {"gpt2-124m": {"runs": [run]}}}, only=("batch_prediction",))
     assert t["measured"] == pytest.approx(1 / 0.6) and t["one_bandwidth"] == pytest.approx(2.5)
     assert t["measured_cpu"] == pytest.approx(1 / 0.7) and (t["points"], t["outside"]) == (2, 1)
-    assert t["reason_if_not_met"] == ("gpt2-124m B = 4 at S = 128: 0.6x (memory-bound; beside it weights 8-9.5 GB/s, "
-                                      "K/V 17 GB/s, 5 µs per operation)")
+    assert not t["met"] and t["claim"].startswith("every decode step of the batch sweep (gpt2-124m) within 1.5x")
+    assert t["reason"] == ("gpt2-124m B = 4 at S = 128: 0.6x (memory-bound; beside it weights 8-9.5 GB/s, "
+                           "K/V 17 GB/s, 5 µs per operation)")
     run["ratio"][1] = 0.9
-    assert batch_target({"batch": {"gpt2-124m": {"runs": [run]}}})["reason_if_not_met"] == ""
+    [t] = targets({"batch": {"gpt2-124m": {"runs": [run]}}}, only=("batch_prediction",))
+    assert t["met"] and "reason" not in t and t["outside"] == 0
+
+
+def test_a_target_is_a_template_over_facts_judged_by_its_comparison():
+    from labcode.bench.targets import Target
+
+    t = Target("fast_{preset}", "{preset} at least {target:g}x", ">=", 2.0, "x", "only {x:.2g}x at {preset}",
+               lambda values, target: [{"preset": p, "x": x, "extra": 7} for p, x in values.items()], ("extra",))
+    met, missed = (t.judge(f) for f in t.facts({"a": 2.0, "b": 1.25}, t.target))
+    assert met == {"name": "fast_a", "claim": "a at least 2x", "target": 2.0, "comparison": ">=", "measured": 2.0,
+                   "extra": 7, "met": True}
+    assert not missed["met"] and missed["reason"] == "only 1.2x at b"
 
 
 def test_speedup_at_floor_adds_one_floor_per_decode_step():

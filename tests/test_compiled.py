@@ -8,6 +8,8 @@ step with it and records the difference. Bad input is refused and leaves the ste
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import TOL64
@@ -16,11 +18,11 @@ from labcode import GPT, GPTConfig
 from labcode.bench.compiled import (
     FusedDecode,
     bench_compiled,
-    compiled_targets,
     float64_check,
     step_bytes,
 )
 from labcode.bench.decode import kv_bytes_per_step, weight_bytes_per_step
+from labcode.bench.targets import TARGETS, targets
 from labcode.bench.timing import Streamer
 
 CONFIGS = {
@@ -157,11 +159,16 @@ def test_the_benchmark_records_every_eager_variant_and_its_targets():
     assert run["floor_bytes"] == [sum(step_bytes(model, p + 1)) for p in (4, 20)]  # the middle of 2 steps: p + 1
     assert run["max_logit_diff"]["fused eager"] <= 1e-4
     assert set(run["operations"]) == {"eager model", "fused eager"}
-    targets = compiled_targets({"runs": {"toy": run}})
-    assert [t["name"] for t in targets] == ["compiled_near_floor_toy", "compiled_speedup_toy"]
-    assert all("fused eager" in t["claim"] and t["reason_if_not_met"] for t in targets)
-    assert targets[1]["measured"] == min(run["speedup"]["fused eager"])
-    assert compiled_targets(None) == []
+    held = ("compiled_near_floor_{preset}", "compiled_speedup_{preset}", "compiled_window_not_slower")
+    judged = targets({"compiled": {"runs": {"toy": run}}}, only=held)
+    assert [t["name"] for t in judged] == ["compiled_near_floor_toy", "compiled_speedup_toy"]  # no concat: no window
+    assert all("fused eager" in t["claim"] and t.get("reason", "x") for t in judged)
+    assert judged[1]["measured"] == min(run["speedup"]["fused eager"])
+    assert judged[0]["measured"] == max(run["variants"]["fused eager"]["over_floor"])
+    forced = replace(next(t for t in TARGETS if t.name == "compiled_speedup_{preset}"), target=1e9)
+    [missed] = [forced.judge(f) for f in forced.facts({"compiled": {"runs": {"toy": run}}}, forced.target)]
+    assert not missed["met"] and missed["reason"].startswith("fused eager over eager: ")  # the reason is filled in
+    assert targets({"compiled": None}, only=held) == []
 
 
 def test_compile_times_are_recorded_from_an_empty_compile_cache(tmp_path, monkeypatch):

@@ -1,20 +1,173 @@
-"""The performance targets of the benchmark record: each with its measured value, met or not, and the measured
-reason where not met.
+"""The performance targets of the benchmark record, as data: each with its measured value, met or not, and the
+measured reason where not met.
 
-Introduced in chapter 7. `targets(values)` reads only the record's values, so a committed
-record's targets can be recomputed without running anything. Reported, never enforced.
+Introduced in chapter 7. A target is a row of `TARGETS`: its name, claim and reason are
+templates over facts, the numbers a small function reads from the record's values (one
+set of facts per preset where a target is held per preset). `targets(values)` reads only
+the record's values, so a committed record's targets can be recomputed without running
+anything. Reported, never enforced.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from labcode.bench.compiled import compiled_targets
+from labcode.bench.compiled import fastest_variant
 from labcode.bench.floor import CATEGORIES
+
+COMPARE = {"<=": lambda m, t: m <= t, ">=": lambda m, t: m >= t, ">": lambda m, t: m > t}
+TOLERANCE = 1.5  # how far the roofline's predictions may be off, as a factor either way
+COMPILED_PRESETS = ("gpt2-124m", "smollm2-135m")  # where the compiled step is held to its targets
+
+
+@dataclass(frozen=True)
+class Target:
+    """One performance target: `name`, `claim` and `reason` are `str.format` templates over the facts that
+    `facts(values, target)` reads from the record (a list, one per preset held to it; empty where the record has
+    nothing to judge); `measured` names the fact compared with `target`, and `shown` the facts recorded beside it."""
+
+    name: str
+    claim: str
+    comparison: str
+    target: float
+    measured: str
+    reason: str
+    facts: Callable[[dict, float], list[dict]]
+    shown: tuple[str, ...] = ()
+
+    def judge(self, facts: dict) -> dict:
+        """The record's entry for one set of facts: claim, value, verdict and, where not met, the reason."""
+        fill = {**facts, "target": self.target}
+        m = float(facts[self.measured])
+        out = {"name": self.name.format(**fill), "claim": self.claim.format(**fill), "target": self.target,
+               "comparison": self.comparison, "measured": m, **{k: facts[k] for k in self.shown if k in facts}}
+        out["met"] = bool(COMPARE[self.comparison](m, self.target))
+        if not out["met"]:
+            out["reason"] = self.reason.format(**fill) or "no measured reason recorded"
+        return out
 
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
+
+
+def _factor(r: float) -> float:
+    """How far a ratio is from 1, as a factor >= 1 (0.5 and 2.0 are both 2x off)."""
+    return max(r, 1 / r)
+
+
+def _append(values: dict, target: float) -> list[dict]:
+    """The append benchmark's medians in µs per step, at the short ("candle") and the long cache."""
+    ap = values["append"]
+    med = {k: {n: s * 1e6 for n, s in v["median_step_s"].items()} for k, v in ap.items()}
+    short, long = med["candle"], med["long"]
+    return [{"short_len": ap["candle"]["setup"]["prefill"], "long_len": ap["long"]["setup"]["prefill"],
+             "narrow_us": values["machine"]["op_overhead_us"]["one-row narrow().copy_()"],
+             "n_tensors": 2 * ap["candle"]["setup"]["n_layers"],
+             **{f"{n}_{where}_us": m[n] for where, m in (("short", short), ("long", long))
+                for n in ("bare_slice", "slice", "cat")},
+             "slice_growth": _ratio(long["slice"], short["slice"]), "cat_growth": _ratio(long["cat"], short["cat"]),
+             "cat_over_slice_long": _ratio(long["cat"], long["slice"])}]
+
+
+def streams(ops: dict, clock: str = "") -> str:
+    """The operations of a decode step (`floor.op_breakdown`) farthest above their floor time, with the bandwidth
+    each achieved, against the floor's."""
+    rows = ops["operations" + clock]
+    bw = ops["floor_bytes"] / ops["floor" + clock + "_s"]
+    worst = sorted(((k, r) for k, r in rows.items() if "excess_s" in r and k in CATEGORIES),
+                   key=lambda kr: -kr[1]["excess_s"])[:3]
+    parts = [f"{k} {r['bytes_per_s'] / 1e9:.3g} GB/s (+{r['excess_s'] * 1e3:.2g} ms)" for k, r in worst]
+    other = rows.get("other", {}).get("s_per_step", 0.0) + ops["untimed" + clock + "_s"]
+    return (f"against {bw / 1e9:.3g} GB/s streaming: " + ", ".join(parts)
+            + f"; operations without weights or K/V and the Python between them {other * 1e3:.2g} ms")
+
+
+def _floor(values: dict, target: float, step: str = "model", clock: str = "") -> list[dict]:
+    """The floor benchmark's worst ratio for the model's step (or the lean one), and its operations."""
+    floor, ops = values["floor"], values["floor_ops"][step]
+    if clock and floor.get("device", "cpu") != "cpu":
+        return []  # process CPU time says nothing of a GPU's work
+    ratio = floor["ratio" + clock] if step == "model" else floor["variants"]["lean"]["ratio"]
+    return [{"preset": floor["preset"], "worst": max(ratio), "position": ops["position"],
+             "streams": streams(ops, clock), "products_only": max(floor["variants"]["products only"]["ratio"]),
+             "lean": max(floor["variants"]["lean"]["ratio"])}]
+
+
+def _window(values: dict, target: float) -> list[dict]:
+    """Concat's decode step over the window's, length by length, and where the two are apart beyond the noise."""
+    wc = values["window_vs_concat"]
+    rows = list(zip(wc["keys"], wc["cat_over_window"], wc["window_q"], wc["cat_q"], strict=True))
+    slower = [f"{k} keys ({r:.3f})" for k, r, q_w, q_c in rows if r < 1 and q_w[0] <= q_c[1]]
+    return [{"preset": values["floor"]["preset"], "keys": wc["keys"][-1], "worst": min(wc["cat_over_window"]),
+             "pulls_ahead_at": next((k for k, r, q_w, q_c in rows if r > 1 and q_w[1] < q_c[0]), None),
+             "why": "where the window is slower, the two steps' interquartile ranges overlap at " + ", ".join(slower)
+             + ": equal within the noise" if slower else "the window step is slower beyond the spread of the "
+             "measurements"}]
+
+
+def _why_off(values: dict, point: dict) -> str:
+    """Why a roofline point missed its prediction, by what bounds it: what products of that many rows reach
+    (compute), what the decode step's operations stream at (memory); the fixed cost is in the record beside it."""
+    bound = point["predicted"]["bound"]
+    machine = values["roofline_machine"]
+    rows = machine.get("rows", [])
+    if bound == "compute" and rows:
+        near = min(rows, key=lambda r: abs(math.log(r["rows"] / max(point["t_new"] * point["batch"], 1))))
+        return (f"; products with {near['rows']} rows run at {near['flops_per_s'] / 1e9:.3g} GFLOP/s, "
+                f"{near['flops_per_s'] / machine['wall']['peak_flops_per_s']:.0%} of the measured peak")
+    ops = values.get("floor_ops", {}).get("model")
+    if bound == "memory" and ops:
+        return (f"; in the decode step of {values['floor_ops']['preset']} at position {ops['position']} (taken "
+                "apart in the appendix) the model's operations stream below one large matrix-vector product, "
+                + streams(ops))
+    return ""
+
+
+def _roofline(values: dict, target: float) -> list[dict]:
+    """The roofline's worst prediction of the record's calls, per kind and preset, and the worst call."""
+    summ, presets = values["roofline_summary"], list(values["roofline"])
+    pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
+    preset, worst = max(pts, key=lambda x: _factor(x[1]["ratio"]))
+    no_overhead = [_factor(p["ratio_no_overhead"]) for _, p in pts if p["predicted"]["bound"] != "overhead"]
+    dominated = [f"{p} ({summ[p]['overhead_dominated_points']} of {summ[p]['points']} points)" for p in presets
+                 if summ[p]["overhead_dominated_points"]]
+    return [{"first": presets[0], "last": presets[-1], "worst": max(summ[p]["worst_factor"] for p in presets),
+             "one_bandwidth": max(_factor(p["ratio_plain"]) for _, p in pts),
+             "measured_cpu": max(summ[p]["worst_factor_cpu"] for p in presets),
+             "without_overhead_where_it_does_not_dominate": max(no_overhead) if no_overhead else float("nan"),
+             "overhead_dominates": ", ".join(dominated) or "nowhere",
+             "worst_by_kind": {p: {k: summ[p]["kinds"][k]["worst_factor"] for k in summ[p]["kinds"]}
+                               for p in presets},
+             "overhead_crossover_d_model": {p: summ["crossover"][p]["crossover_d_model"] for p in presets},
+             "point": f"{worst['kind']} of T={worst['t_new']} after S={worst['s_cached']} at {preset}",
+             "ratio": worst["ratio"], "bound": worst["predicted"]["bound"], "why": _why_off(values, worst)}]
+
+
+def _batch(values: dict, target: float) -> list[dict]:
+    """Every decode step of the batch sweep against its prediction, and those outside the tolerance."""
+    points = [{"preset": preset, "s": run["s_cached"], "b": b, **{k: run[k][i] for k in (
+              "ratio", "ratio_cpu", "ratio_plain", "ceilings", "overhead_s_per_op")},
+               "bound": run["predicted"]["bound"][i]}
+              for preset, res in values["batch"].items() for run in res["runs"] for i, b in enumerate(run["batch"])]
+
+    def beside(p: dict) -> str:
+        weights = [v for k, v in p["ceilings"].items() if k != "K/V"]
+        parts = [f"weights {min(weights) / 1e9:.2g}-{max(weights) / 1e9:.2g} GB/s" if weights else
+                 "weights at the bandwidth"]
+        if "K/V" in p["ceilings"]:
+            parts.append(f"K/V {p['ceilings']['K/V'] / 1e9:.2g} GB/s")
+        return ", ".join(parts) + f", {p['overhead_s_per_op'] * 1e6:.2g} µs per operation"
+
+    outside = [p for p in points if _factor(p["ratio"]) > target]
+    return [{"presets": ", ".join(values["batch"]), "worst": max(_factor(p["ratio"]) for p in points),
+             "measured_cpu": max(_factor(p["ratio_cpu"]) for p in points),
+             "one_bandwidth": max(_factor(p["ratio_plain"]) for p in points),
+             "points": len(points), "outside": len(outside),
+             "steps": "; ".join(f"{p['preset']} B = {p['b']} at S = {p['s']}: {p['ratio']:.3g}x ({p['bound']}-bound; "
+                                f"beside it {beside(p)})" for p in outside)}]
 
 
 def speedup_at_floor(run: dict, floor: dict) -> float:
@@ -29,191 +182,120 @@ def speedup_at_floor(run: dict, floor: dict) -> float:
     return _ratio(run["total_s"]["nocache"], run["per_step_s"]["window"][0] + sum(steps))
 
 
-def _factor(r: float) -> float:
-    return max(r, 1 / r)
-
-
-def _worst_point(values: dict) -> dict:
-    """The roofline point farthest from its prediction (wall clock), with its preset."""
-    pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
-    preset, p = max(pts, key=lambda x: _factor(x[1]["ratio"]))
-    return {"preset": preset, **p}
-
-
-def _rows_reason(values: dict, point: dict) -> str:
-    """Why a compute-bound point ran slower than the peak: what products with that many rows reach."""
-    rows = values["roofline_machine"].get("rows", [])
-    peak = values["roofline_machine"]["wall"]["peak_flops_per_s"]
-    near = min(rows, key=lambda r: abs(math.log(r["rows"] / max(point["t_new"] * point["batch"], 1))), default=None)
-    if near is None:
-        return ""
-    return (f"; products with {near['rows']} rows run at {near['flops_per_s'] / 1e9:.3g} GFLOP/s, "
-            f"{near['flops_per_s'] / peak:.0%} of the measured peak")
-
-
-def _stream_reason(values: dict, point: dict) -> str:
-    """Why a memory-bound point ran slower than the bandwidth: what the model's own operations stream at."""
-    ops = values.get("floor_ops", {}).get("model")
-    if not ops:
-        return ""
-    return (f"; in the decode step of {values['floor_ops']['preset']} at position {ops['position']} (taken apart "
-            "in the appendix) the model's operations stream below one large matrix-vector product, "
-            + _floor_reason(ops))
-
-
-def _bound_reason(values: dict, point: dict) -> str:
-    """Why a point missed its prediction, by what bounds it: the rate of its products (compute) or of its streams."""
-    bound = point["predicted"]["bound"]
-    if bound == "compute":
-        return _rows_reason(values, point)
-    if bound == "memory":
-        return _stream_reason(values, point)
-    return ""  # the fixed cost: its measured value is in the record beside the point
-
-
-def _floor_reason(ops: dict, clock: str = "") -> str:
-    """The operations farthest above their floor time, with the bandwidth each achieved."""
-    rows = ops["operations" + clock]
-    bw = ops["floor_bytes"] / ops["floor" + clock + "_s"]
-    worst = sorted(((k, r) for k, r in rows.items() if "excess_s" in r and k in CATEGORIES),
-                   key=lambda kr: -kr[1]["excess_s"])[:3]
-    parts = [f"{k} {r['bytes_per_s'] / 1e9:.3g} GB/s (+{r['excess_s'] * 1e3:.2g} ms)" for k, r in worst]
-    other = rows.get("other", {}).get("s_per_step", 0.0) + ops["untimed" + clock + "_s"]
-    return (f"against {bw / 1e9:.3g} GB/s streaming: " + ", ".join(parts)
-            + f"; operations without weights or K/V and the Python between them {other * 1e3:.2g} ms")
-
-
-def batch_target(values: dict, tolerance: float = 1.5) -> dict:
-    """Every decode step of the batch sweep within `tolerance` of its prediction, or the reason point by point."""
-    points = [{"preset": preset, "s": run["s_cached"], "b": b, **{k: run[k][i] for k in (
-              "ratio", "ratio_cpu", "ratio_plain", "ceilings", "overhead_s_per_op")},
-               "bound": run["predicted"]["bound"][i]}
-              for preset, res in values["batch"].items() for run in res["runs"] for i, b in enumerate(run["batch"])]
-
-    def streamed(p: dict) -> str:
-        weights = [v for k, v in p["ceilings"].items() if k != "K/V"]
-        parts = [f"weights {min(weights) / 1e9:.2g}-{max(weights) / 1e9:.2g} GB/s" if weights else
-                 "weights at the bandwidth"]
-        if "K/V" in p["ceilings"]:
-            parts.append(f"K/V {p['ceilings']['K/V'] / 1e9:.2g} GB/s")
-        return ", ".join(parts) + f", {p['overhead_s_per_op'] * 1e6:.2g} µs per operation"
-
-    outside = [p for p in points if _factor(p["ratio"]) > tolerance]
-    presets = list(values["batch"])
-    return {"name": "batch_prediction", "claim": f"every decode step of the batch sweep ({', '.join(presets)}) within "
-            f"{tolerance}x of the roofline with each weight shape and the keys and values at the streaming rate "
-            "measured beside it, + operations x the fixed cost (wall clock)", "target": tolerance, "comparison": "<=",
-            "measured": max(_factor(p["ratio"]) for p in points),
-            "measured_cpu": max(_factor(p["ratio_cpu"]) for p in points),
-            "one_bandwidth": max(_factor(p["ratio_plain"]) for p in points),
-            "points": len(points), "outside": len(outside),
-            "reason_if_not_met": "; ".join(f"{p['preset']} B = {p['b']} at S = {p['s']}: {p['ratio']:.3g}x "
-                                           f"({p['bound']}-bound; beside it {streamed(p)})" for p in outside)}
-
-
-def targets(values: dict, tolerance: float = 1.5) -> list[dict]:
-    """The performance targets, each with its measured value, whether it was met and, if not, the measured reason.
-
-    Reported, never enforced.
-    """
-    ap, med = values["append"], {k: v["median_step_s"] for k, v in values["append"].items()}
-    long_len = ap["long"]["setup"]["prefill"]
-    short_len = ap["candle"]["setup"]["prefill"]
-    over = values["machine"]["op_overhead_us"]
-    n_tensors = 2 * ap["candle"]["setup"]["n_layers"]
-    calls = (f"a one-row narrow().copy_() costs {over['one-row narrow().copy_()']:.3g} µs per call whatever the "
-             f"length, {n_tensors} calls per step; the bare per-layer write takes "
-             f"{med['candle']['bare_slice'] * 1e6:.3g} µs at {short_len} and {med['long']['bare_slice'] * 1e6:.3g} µs"
-             f" at {long_len}, the course's WindowCache {med['candle']['slice'] * 1e6:.3g} and "
-             f"{med['long']['slice'] * 1e6:.3g} µs")
-    out = [
-        {"name": "slice_write_flat", "claim": f"slice-write append at cache length {long_len} costs at most 1.3x "
-         f"its cost at {short_len}", "target": 1.3, "comparison": "<=",
-         "measured": _ratio(med["long"]["slice"], med["candle"]["slice"]), "reason_if_not_met": calls},
-        {"name": "cat_grows", "claim": f"cat append at cache length {long_len} costs more than 1.3x its cost at "
-         f"{short_len}", "target": 1.3, "comparison": ">",
-         "measured": _ratio(med["long"]["cat"], med["candle"]["cat"]),
-         "reason_if_not_met": f"cat: {med['candle']['cat'] * 1e6:.3g} µs per step at {short_len}, "
-         f"{med['long']['cat'] * 1e6:.3g} µs at {long_len}; " + calls},
-        {"name": "slice_vs_cat_long", "claim": f"slice write is at least 20x cheaper than cat at cache length "
-         f"{long_len}", "target": 20.0, "comparison": ">=",
-         "measured": _ratio(med["long"]["cat"], med["long"]["slice"]),
-         "reason_if_not_met": f"cat: {med['long']['cat'] * 1e6:.3g} µs per step at {long_len}; " + calls},
-    ]
-    floor, ops = values["floor"], values["floor_ops"]
-    out.append({"name": "decode_near_floor", "claim": f"cached decode at {floor['preset']} within 1.3x of the "
-                "memory-bandwidth floor at every measured position (wall clock)", "target": 1.3, "comparison": "<=",
-                "measured": max(floor["ratio"]),
-                # context: the same step with nothing but its tensor operations, and the benchmark's lean step
-                "products_only": max(floor["variants"]["products only"]["ratio"]),
-                "lean": max(floor["variants"]["lean"]["ratio"]),
-                "reason_if_not_met": "the model's step at position "
-                f"{ops['model']['position']}, operation by operation, " + _floor_reason(ops["model"])})
-    out.append({"name": "decode_near_floor_lean", "claim": f"the benchmark's lean decode step at {floor['preset']} "
-                "(fused Q/K/V, each weight in its fastest layout, addmv into reused outputs, K @ q) within 1.3x of "
-                "the floor at every measured position (wall clock)", "target": 1.3, "comparison": "<=",
-                "measured": max(floor["variants"]["lean"]["ratio"]),
-                "reason_if_not_met": f"at position {ops['lean']['position']}, " + _floor_reason(ops["lean"])})
-    if floor.get("device", "cpu") == "cpu":
-        out.append({"name": "decode_near_floor_cpu", "claim": f"cached decode at {floor['preset']} within 1.3x of "
-                    "the memory-bandwidth floor at every measured position (process CPU time)", "target": 1.3,
-                    "comparison": "<=", "measured": max(floor["ratio_cpu"]),
-                    "reason_if_not_met": _floor_reason(ops["model"], "_cpu")})
-    wc = values["window_vs_concat"]
-    slower = [(k, r) for k, r, q_w, q_c in zip(wc["keys"], wc["cat_over_window"], wc["window_q"], wc["cat_q"],
-                                                strict=True) if r < 1 and q_w[0] <= q_c[1]]
-    out.append({"name": "window_not_slower", "claim": f"decode with the window cache at least as fast as with the "
-                f"concatenating cache at every length up to {wc['keys'][-1]} keys ({floor['preset']}, wall clock)",
-                "target": 1.0, "comparison": ">=", "measured": min(wc["cat_over_window"]),
-                "pulls_ahead_at": next((k for k, r, q_w, q_c in zip(wc["keys"], wc["cat_over_window"], wc["window_q"],
-                                                                    wc["cat_q"], strict=True)
-                                        if r > 1 and q_w[1] < q_c[0]), None),
-                "reason_if_not_met": "where the window is slower, the two steps' interquartile ranges overlap at "
-                + ", ".join(f"{k} keys ({r:.3f})" for k, r in slower) + ": equal within the noise"
-                if slower else "the window step is slower beyond the spread of the measurements"})
-    summ = values["roofline_summary"]
-    worst = _worst_point(values)
-    presets = list(values["roofline"])
-    dominated = [f"{p} ({summ[p]['overhead_dominated_points']} of {summ[p]['points']} points)" for p in presets
-                 if summ[p]["overhead_dominated_points"]]
-    bandwidth_ok = [_factor(p["ratio_no_overhead"]) for run in values["roofline"].values() for p in run["points"]
-                    if p["predicted"]["bound"] != "overhead"]
-    out.append({"name": "roofline_prediction", "claim": f"every measured prefill, decode and uncached call from "
-                f"{presets[0]} down to {presets[-1]} within {tolerance}x of max(FLOPs / peak, bytes / bandwidth) per "
-                "kind of operation (products of few rows at their measured ceiling; a decode step's weights and keys "
-                "and values at the streaming rates measured beside it) + operations x the fixed cost measured beside "
-                "the call (wall clock)", "target": tolerance, "comparison": "<=",
-                "measured": max(summ[p]["worst_factor"] for p in presets),
-                "one_bandwidth": max(_factor(p["ratio_plain"]) for run in values["roofline"].values()
-                                     for p in run["points"]),
-                "measured_cpu": max(summ[p]["worst_factor_cpu"] for p in presets),
-                "without_overhead_where_it_does_not_dominate": max(bandwidth_ok) if bandwidth_ok else float("nan"),
-                "overhead_dominates": ", ".join(dominated) or "nowhere",
-                "worst_by_kind": {p: {k: summ[p]["kinds"][k]["worst_factor"] for k in summ[p]["kinds"]}
-                                  for p in presets},
-                "overhead_crossover_d_model": {p: summ["crossover"][p]["crossover_d_model"] for p in presets},
-                "reason_if_not_met": f"worst: {worst['kind']} of T={worst['t_new']} after S={worst['s_cached']} at "
-                f"{worst['preset']}, measured {worst['ratio']:.3g}x the prediction ({worst['predicted']['bound']}"
-                "-bound)" + _bound_reason(values, worst)})
-    out.append(batch_target(values, tolerance))
-    for preset, g in summ.get("generation", {}).items():
+def _speedup(values: dict, target: float) -> list[dict]:
+    """Per generated preset the roofline timed: the cache's measured speedup against the predicted one."""
+    out = []
+    for preset, g in values["roofline_summary"].get("generation", {}).items():
         run = values["generation"][preset]
-        t = {"name": f"speedup_{preset}", "claim": f"cached generation at {preset} "
-             f"({run['prompt_len']}-token prompt, {run['new_tokens']} new) as much faster than no cache as the "
-             f"roofline predicts, within {tolerance}x", "target": tolerance, "comparison": "<=",
-             "measured": _factor(g["ratio"]), "measured_speedup": g["measured_speedup"],
+        f = {"preset": preset, "prompt_len": run["prompt_len"], "new_tokens": run["new_tokens"],
+             "off": _factor(g["ratio"]), "measured_speedup": g["measured_speedup"],
              "predicted_speedup": g["predicted_speedup"], "flop_count_speedup": run["predicted_speedup"],
-             "reason_if_not_met": f"measured {g['measured_speedup']:.3g}x against {g['predicted_speedup']:.3g}x "
-             f"predicted: no cache took {g['measured_nocache_s'] / g['predicted_nocache_s']:.3g}x its prediction, "
-             f"the cache {g['measured_cached_s'] / g['predicted_cached_s']:.3g}x"}
-        if floor["preset"] == preset:  # context: the largest speedup a cache could show if decode ran at the floor
-            t["speedup_at_floor"] = speedup_at_floor(run, floor)
-        out.append(t)
-    out.extend(compiled_targets(values.get("compiled")))
-    for t in out:
-        m, g = t["measured"], t["target"]
-        t["met"] = bool({"<=": m <= g, ">=": m >= g, ">": m > g}[t["comparison"]])
-        reason = t.pop("reason_if_not_met", None)
-        if not t["met"]:
-            t["reason"] = reason or "no measured reason recorded"
+             "nocache_off": g["measured_nocache_s"] / g["predicted_nocache_s"],
+             "cached_off": g["measured_cached_s"] / g["predicted_cached_s"]}
+        if values["floor"]["preset"] == preset:  # the largest speedup a cache could show if decode ran at the floor
+            f["speedup_at_floor"] = speedup_at_floor(run, values["floor"])
+        out.append(f)
     return out
+
+
+def _compiled(values: dict, target: float) -> list[dict]:
+    """Per preset held to the compiled targets: the fast step against the floor and against the eager step, and
+    what each kind of operation took (profiled at the middle position)."""
+    runs = (values.get("compiled") or {}).get("runs", {})
+    out = []
+    for preset in [p for p in COMPILED_PRESETS if p in runs] or list(runs)[-1:]:
+        r = runs[preset]
+        fast = fastest_variant(r["variants"])
+        ops, eager = r["operations"], min(r["variants"]["eager model"]["over_floor"])
+        bw = sum(r["bandwidth_bytes_per_s"]) / len(r["bandwidth_bytes_per_s"])
+        ms = {n: {k: v * 1e3 for k, v in ops[n]["s_per_step"].items()} for n in ("eager model", fast)}
+        out.append({"preset": preset, "fast": fast, "over_floor": max(r["variants"][fast]["over_floor"]),
+                    "speedup": min(r["speedup"][fast]), "position": ops[fast]["position"], "bw_gbs": bw / 1e9,
+                    "streams": ", ".join(f"{k} {ops[fast]['bytes_per_s'][k] / 1e9:.3g} GB/s ({ms[fast][k]:.3g} ms)"
+                                         for k in ("products with weights", "attention")
+                                         if k in ops[fast]["bytes_per_s"]),
+                    "gains": ", ".join(f"{g:.3g}x at {p}" for p, g in zip(r["positions"], r["speedup"][fast],
+                                                                           strict=True)),
+                    "eager_best": eager, "room": f", so {target:g}x its speed would beat the floor"
+                    if eager < target else "",
+                    "products_eager_ms": ms["eager model"]["products with weights"],
+                    "products_fast_ms": ms[fast]["products with weights"],
+                    "other_eager_ms": ms["eager model"]["other"], "other_fast_ms": ms[fast]["other"]})
+    return out
+
+
+def _compiled_window(values: dict, target: float) -> list[dict]:
+    """The compiled concatenating step over the compiled window step, where the record compiled both."""
+    out = []
+    for preset, r in (values.get("compiled") or {}).get("runs", {}).items():
+        if "compiled concat" in r["variants"]:
+            ratio = [c / w for c, w in zip(r["variants"]["compiled concat"]["step_s"],
+                                           r["variants"]["compiled"]["step_s"], strict=True)]
+            where = ", ".join(f"{p} cached ({x:.3f})" for p, x in zip(r["positions"], ratio, strict=True))
+            out.append({"preset": preset, "worst": min(ratio), "by_position": ratio,
+                        "weight_mb": r["weight_bytes"] / 1e6, "where": where})
+    return out
+
+
+APPEND_CALLS = ("a one-row narrow().copy_() costs {narrow_us:.3g} µs per call whatever the length, {n_tensors} calls "
+                "per step; the bare per-layer write takes {bare_slice_short_us:.3g} µs at {short_len} and "
+                "{bare_slice_long_us:.3g} µs at {long_len}, the course's WindowCache {slice_short_us:.3g} and "
+                "{slice_long_us:.3g} µs")
+FLOOR_CLAIM = "within {target:g}x of the memory-bandwidth floor at every measured position"
+
+TARGETS = (
+    Target("slice_write_flat", "slice-write append at cache length {long_len} costs at most {target:g}x its cost at "
+           "{short_len}", "<=", 1.3, "slice_growth", APPEND_CALLS, _append),
+    Target("cat_grows", "cat append at cache length {long_len} costs more than {target:g}x its cost at {short_len}",
+           ">", 1.3, "cat_growth", "cat: {cat_short_us:.3g} µs per step at {short_len}, {cat_long_us:.3g} µs at "
+           "{long_len}; " + APPEND_CALLS, _append),
+    Target("slice_vs_cat_long", "slice write is at least {target:g}x cheaper than cat at cache length {long_len}",
+           ">=", 20.0, "cat_over_slice_long", "cat: {cat_long_us:.3g} µs per step at {long_len}; " + APPEND_CALLS,
+           _append),
+    Target("decode_near_floor", "cached decode at {preset} " + FLOOR_CLAIM + " (wall clock)", "<=", 1.3, "worst",
+           "the model's step at position {position}, operation by operation, {streams}", _floor,
+           ("products_only", "lean")),
+    Target("decode_near_floor_lean", "the benchmark's lean decode step at {preset} (fused Q/K/V, each weight in its "
+           "fastest layout, addmv into reused outputs, K @ q) " + FLOOR_CLAIM + " (wall clock)", "<=", 1.3, "worst",
+           "at position {position}, {streams}", lambda v, t: _floor(v, t, "lean")),
+    Target("decode_near_floor_cpu", "cached decode at {preset} " + FLOOR_CLAIM + " (process CPU time)", "<=", 1.3,
+           "worst", "{streams}", lambda v, t: _floor(v, t, clock="_cpu")),
+    Target("window_not_slower", "decode with the window cache at least as fast as with the concatenating cache at "
+           "every length up to {keys} keys ({preset}, wall clock)", ">=", 1.0, "worst", "{why}", _window,
+           ("pulls_ahead_at",)),
+    Target("roofline_prediction", "every measured prefill, decode and uncached call from {first} down to {last} "
+           "within {target:g}x of max(FLOPs / peak, bytes / bandwidth) per kind of operation (products of few rows "
+           "at their measured ceiling; a decode step's weights and keys and values at the streaming rates measured "
+           "beside it) + operations x the fixed cost measured beside the call (wall clock)", "<=", TOLERANCE, "worst",
+           "worst: {point}, measured {ratio:.3g}x the prediction ({bound}-bound){why}", _roofline,
+           ("one_bandwidth", "measured_cpu", "without_overhead_where_it_does_not_dominate", "overhead_dominates",
+            "worst_by_kind", "overhead_crossover_d_model")),
+    Target("batch_prediction", "every decode step of the batch sweep ({presets}) within {target:g}x of the roofline "
+           "with each weight shape and the keys and values at the streaming rate measured beside it, + operations "
+           "x the fixed cost (wall clock)", "<=", TOLERANCE, "worst", "{steps}", _batch,
+           ("measured_cpu", "one_bandwidth", "points", "outside")),
+    Target("speedup_{preset}", "cached generation at {preset} ({prompt_len}-token prompt, {new_tokens} new) as much "
+           "faster than no cache as the roofline predicts, within {target:g}x", "<=", TOLERANCE, "off",
+           "measured {measured_speedup:.3g}x against {predicted_speedup:.3g}x predicted: no cache took "
+           "{nocache_off:.3g}x its prediction, the cache {cached_off:.3g}x", _speedup,
+           ("measured_speedup", "predicted_speedup", "flop_count_speedup", "speedup_at_floor")),
+    Target("compiled_near_floor_{preset}", "the {fast} decode step at {preset} " + FLOOR_CLAIM + " (wall clock)",
+           "<=", 1.3, "over_floor", "at position {position} the {fast} step's operations stream below {bw_gbs:.3g} "
+           "GB/s: {streams}; everything else {other_fast_ms:.3g} ms", _compiled),
+    Target("compiled_speedup_{preset}", "the {fast} decode step at {preset} at least {target:g}x the tokens per "
+           "second of the model's own eager step at every measured position", ">=", 1.5, "speedup",
+           "{fast} over eager: {gains}; the eager step runs at {eager_best:.3g}x the floor at best{room}; at position "
+           "{position} the products with weights take {products_eager_ms:.3g} ms eager and {products_fast_ms:.3g} ms "
+           "{fast}, everything else {other_eager_ms:.3g} and {other_fast_ms:.3g} ms", _compiled),
+    Target("compiled_window_not_slower", "the compiled step with the preallocated window at {preset} at least as "
+           "fast as the compiled concatenating step at every measured position", ">=", 1.0, "worst",
+           "concat over window at {where}: the copy a concatenating step makes is a small part of a step that reads "
+           "{weight_mb:.0f} MB of weights", _compiled_window, ("by_position",)),
+)
+
+
+def targets(values: dict, only: tuple[str, ...] | None = None) -> list[dict]:
+    """The record's entry for every target of `TARGETS` (or those named in `only`) and every set of facts the
+    record has for it: the measured value, whether it was met and, if not, the measured reason. Reported, never
+    enforced."""
+    return [t.judge(f) for t in TARGETS if only is None or t.name in only for f in t.facts(values, t.target)]
