@@ -579,8 +579,7 @@ def record_machine(res: QAResult, sizes: Sizes, device: torch.device) -> dict:
     return measured
 
 
-def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, models: dict,
-                         progress: bool) -> None:
+def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, models: dict, progress: bool) -> None:
     """The roofline's predictions against the clock at every preset, and its summary."""
     points = {"prefill": sizes.roofline_prefill, "decode": sizes.roofline_decode,
               "uncached": sizes.roofline_uncached, "decode_steps": sizes.roofline_repeats}
@@ -600,6 +599,7 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, mo
             extra.setdefault("generation", {})[preset] = roofline_speedup(get_config(preset), run, result[preset],
                                                                           wall)
     res.value("roofline_summary", {**summary(result), "overhead_measured_on": overhead["preset"], **extra}, TIMED)
+
 
 def _decode_ops(run: dict) -> int:
     """Operations a batch-1 decode step dispatched in a roofline run (after the first step)."""
