@@ -19,7 +19,7 @@ from labcode import GPT, get_config
 from labcode.bench import SIZES, random_model
 from labcode.bench.__main__ import main as bench_main
 from labcode.bench.append import AppendSetup, bench_append
-from labcode.bench.decode import ProductsOnly, kv_bytes_per_step, products_only_diff, weight_bytes_per_step
+from labcode.bench.floor import ProductsOnly, kv_bytes_per_step, products_only_diff, weight_bytes_per_step
 from labcode.bench.targets import speedup_at_floor
 from labcode.caches import ConcatCache, GrowableCache, PairsCache, RingCache, WindowCache
 from labcode.cost import kv_cache_bytes, kv_cache_elements

@@ -21,7 +21,7 @@ from labcode.bench.compiled import (
     float64_check,
     step_bytes,
 )
-from labcode.bench.decode import kv_bytes_per_step, weight_bytes_per_step
+from labcode.bench.floor import kv_bytes_per_step, weight_bytes_per_step
 from labcode.bench.targets import TARGETS, targets
 from labcode.bench.timing import Streamer
 

@@ -7,7 +7,7 @@ summarised by medians and ratios:
      rows (`roofline.record_machine`);
   2. appending one position to every layer, for every cache, and append plus single-token
      attention three ways (`append`);
-  3. greedy generation with no cache and with every cache (`decode.record_generation`);
+  3. greedy generation with no cache and with every cache (`generation`);
   4. the roofline: every prefill, decode and uncached call predicted and timed
      (`roofline`); decode against the batch size (`batch`);
   5. cached decode steps against the memory-bandwidth floor, operation by operation, and
@@ -30,7 +30,7 @@ from dataclasses import asdict
 
 import torch
 
-from labcode.bench import append, batch, compiled, correctness, decode, floor, memory, roofline
+from labcode.bench import append, batch, compiled, correctness, floor, generation, memory, roofline
 from labcode.bench.common import SIZES, TIMED, Sizes, random_model
 from labcode.bench.roofline import roofline_speedup
 from labcode.bench.targets import targets
@@ -57,7 +57,7 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     append.record(res, sizes, device, progress)
     lap("append")
     models = {}
-    decode.record_generation(res, sizes, device, models, progress)
+    generation.record(res, sizes, device, models, progress)
     lap("generation")
     roofline.record(res, sizes, device, measured, models, progress)
     batch.record(res, sizes, device, measured, models, progress)
