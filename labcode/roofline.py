@@ -304,13 +304,13 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     _count("ops", ops, 0)
     peak, bw = machine.peak_flops_per_s, machine.bandwidth_bytes_per_s
     peaks = {"products with weights": machine.peak_for(cost.rows)}
-    memory = {k: n / bw for k, (_, n) in cost.parts().items()}
+    parts = cost.parts()
+    memory = {k: n / bw for k, (_, n) in parts.items()}
     for o, i, n in cost.shape_bytes:
         memory["products with weights"] += n / machine.stream_for(o, i, cost.rows) - n / bw
-    if machine.kv_bandwidth_bytes_per_s and cost.queries == 1:
-        moved = cost.kv_read_bytes + cost.act_attention_bytes  # what the probe streams: `attention`'s bytes
-        memory["attention"] += moved * (1 / min(machine.kv_bandwidth_bytes_per_s, bw) - 1 / bw)
-    t_parts = sum(max(f / peaks.get(k, peak), memory[k]) for k, (f, _) in cost.parts().items())
+    if machine.kv_bandwidth_bytes_per_s and cost.queries == 1:  # all of attention's bytes, as the probe streams them
+        memory["attention"] = parts["attention"][1] / min(machine.kv_bandwidth_bytes_per_s, bw)
+    t_parts = sum(max(f / peaks.get(k, peak), memory[k]) for k, (f, _) in parts.items())
     t_overhead = ops * machine.overhead_s_per_op
     seconds = max(t_parts, t_overhead) if machine.overlapped else t_parts + t_overhead
     t_math = cost.flops_linear / peaks["products with weights"] + cost.flops_attention / peak

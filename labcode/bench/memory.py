@@ -146,9 +146,10 @@ def concurrency_sweep(cfg: GPTConfig, budget_bytes: int, block_size: int = 16, g
 def record(res: QAResult, sizes: Sizes) -> None:
     """How many sequences fit at GPT-2 124M shapes, and the formulas checked against allocated caches (tiny)."""
     budget = int(sizes.memory_budget_gib * 2**30)
-    table = concurrency(get_config("gpt2-124m"), budget, sizes.memory_lengths, sizes.memory_block_size)
+    gpt2 = get_config("gpt2-124m")
+    table = concurrency(gpt2, budget, sizes.memory_lengths, sizes.memory_block_size)
     rows = allocation_check(get_config("tiny"), 3 * 2**16, 21, 8)
     res.value("memory", {
-        "concurrency": table, "sweep": concurrency_sweep(get_config("gpt2-124m"), budget, sizes.memory_block_size),
+        "concurrency": table, "sweep": concurrency_sweep(gpt2, budget, sizes.memory_block_size),
         "allocation": {"preset": "tiny", "budget_bytes": 3 * 2**16, "length": 21, "block_size": 8, "rows": rows,
                        "agrees": allocation_agrees(rows)}}, TIMED)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from labcode.bench.compiled import fastest_variant
 from labcode.bench.floor import CATEGORIES
+from labcode.bench.roofline import worst_factor
 
 COMPARE = {"<=": lambda m, t: m <= t, ">=": lambda m, t: m >= t, ">": lambda m, t: m > t}
 TOLERANCE = 1.5  # how far the roofline's predictions may be off, as a factor either way
@@ -51,11 +52,6 @@ class Target:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
-
-
-def _factor(r: float) -> float:
-    """How far a ratio is from 1, as a factor >= 1 (0.5 and 2.0 are both 2x off)."""
-    return max(r, 1 / r)
 
 
 def _append(values: dict, target: float) -> list[dict]:
@@ -130,14 +126,14 @@ def _roofline(values: dict, target: float) -> list[dict]:
     """The roofline's worst prediction of the record's calls, per kind and preset, and the worst call."""
     summ, presets = values["roofline_summary"], list(values["roofline"])
     pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
-    preset, worst = max(pts, key=lambda x: _factor(x[1]["ratio"]))
-    no_overhead = [_factor(p["ratio_no_overhead"]) for _, p in pts if p["predicted"]["bound"] != "overhead"]
+    preset, worst = max(pts, key=lambda x: worst_factor([x[1]["ratio"]]))
+    no_overhead = [p["ratio_no_overhead"] for _, p in pts if p["predicted"]["bound"] != "overhead"]
     dominated = [f"{p} ({summ[p]['overhead_dominated_points']} of {summ[p]['points']} points)" for p in presets
                  if summ[p]["overhead_dominated_points"]]
     return [{"first": presets[0], "last": presets[-1], "worst": max(summ[p]["worst_factor"] for p in presets),
-             "one_bandwidth": max(_factor(p["ratio_plain"]) for _, p in pts),
+             "one_bandwidth": worst_factor([p["ratio_plain"] for _, p in pts]),
              "measured_cpu": max(summ[p]["worst_factor_cpu"] for p in presets),
-             "without_overhead_where_it_does_not_dominate": max(no_overhead) if no_overhead else float("nan"),
+             "without_overhead_where_it_does_not_dominate": worst_factor(no_overhead),
              "overhead_dominates": ", ".join(dominated) or "nowhere",
              "worst_by_kind": {p: {k: summ[p]["kinds"][k]["worst_factor"] for k in summ[p]["kinds"]}
                                for p in presets},
@@ -161,10 +157,10 @@ def _batch(values: dict, target: float) -> list[dict]:
             parts.append(f"K/V {p['ceilings']['K/V'] / 1e9:.2g} GB/s")
         return ", ".join(parts) + f", {p['overhead_s_per_op'] * 1e6:.2g} µs per operation"
 
-    outside = [p for p in points if _factor(p["ratio"]) > target]
-    return [{"presets": ", ".join(values["batch"]), "worst": max(_factor(p["ratio"]) for p in points),
-             "measured_cpu": max(_factor(p["ratio_cpu"]) for p in points),
-             "one_bandwidth": max(_factor(p["ratio_plain"]) for p in points),
+    outside = [p for p in points if worst_factor([p["ratio"]]) > target]
+    return [{"presets": ", ".join(values["batch"]), "worst": worst_factor([p["ratio"] for p in points]),
+             "measured_cpu": worst_factor([p["ratio_cpu"] for p in points]),
+             "one_bandwidth": worst_factor([p["ratio_plain"] for p in points]),
              "points": len(points), "outside": len(outside),
              "steps": "; ".join(f"{p['preset']} B = {p['b']} at S = {p['s']}: {p['ratio']:.3g}x ({p['bound']}-bound; "
                                 f"beside it {beside(p)})" for p in outside)}]
@@ -188,7 +184,7 @@ def _speedup(values: dict, target: float) -> list[dict]:
     for preset, g in values["roofline_summary"].get("generation", {}).items():
         run = values["generation"][preset]
         f = {"preset": preset, "prompt_len": run["prompt_len"], "new_tokens": run["new_tokens"],
-             "off": _factor(g["ratio"]), "measured_speedup": g["measured_speedup"],
+             "off": worst_factor([g["ratio"]]), "measured_speedup": g["measured_speedup"],
              "predicted_speedup": g["predicted_speedup"], "flop_count_speedup": run["predicted_speedup"],
              "nocache_off": g["measured_nocache_s"] / g["predicted_nocache_s"],
              "cached_off": g["measured_cached_s"] / g["predicted_cached_s"]}
