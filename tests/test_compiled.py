@@ -19,11 +19,11 @@ from labcode.bench.compiled import (
     FusedDecode,
     bench_compiled,
     float64_check,
-    step_bytes,
 )
-from labcode.bench.floor import kv_bytes_per_step, weight_bytes_per_step
+from labcode.bench.floor import step_bytes
 from labcode.bench.targets import TARGETS, targets
 from labcode.bench.timing import Streamer
+from labcode.cost import kv_cache_bytes
 
 CONFIGS = {
     "gpt2": GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, d_model=32),
@@ -136,13 +136,15 @@ def test_bad_steps_are_refused_and_change_nothing(concat):
 
 
 def test_step_bytes_are_the_weights_once_and_the_keys_read():
-    model = _model("llama")
+    model = _model("llama")  # no position table: every parameter once
+    cfg = model.cfg
     for keys in (1, 7, 40):
         weights, kv = step_bytes(model, keys)
-        assert weights == weight_bytes_per_step(model)
-        assert kv == kv_bytes_per_step(model, keys)
-    gpt = _model("gpt2")
-    assert step_bytes(gpt, 3)[0] == weight_bytes_per_step(gpt)  # one row of the position table
+        assert weights == sum(p.nbytes for p in model.parameters())
+        assert kv == kv_cache_bytes(cfg.n_layers, 1, keys, cfg.n_kv_heads, cfg.head_dim, model.dtype.itemsize)
+    gpt = _model("gpt2")  # one row of the position table
+    table = gpt.pos_emb.weight
+    assert step_bytes(gpt, 3)[0] == sum(p.nbytes for p in gpt.parameters()) - table.nbytes + table[0].nbytes
     cla = _model("cla")  # two layers own K/V, four attend
     assert step_bytes(cla, 5)[1] == 2 * 2 * 5 * 2 * 8 * 8
 

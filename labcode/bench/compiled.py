@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from labcode.bench.common import TIMED, Sizes, bar, random_model
+from labcode.bench.floor import step_bytes
 from labcode.bench.roofline import fill_cache
 from labcode.bench.timing import Streamer, median, rotated, sync
 from labcode.caches import WindowCache
@@ -232,17 +233,6 @@ def fresh_compile_cache():
 # The benchmark: the model's eager step, the fused step eager and compiled, against the floor, side by side.
 
 VARIANTS = ("eager model", "fused eager", "compiled", "compiled concat")
-
-
-def step_bytes(model: GPT, keys: int, batch: int = 1) -> tuple[int, int]:
-    """(weight bytes, K/V bytes) a decode step must read: every weight once (one row of a position table), and
-    the K and V of `keys` positions, the new one included, per sequence."""
-    cfg = model.cfg
-    weights = sum(p.nbytes for n, p in model.named_parameters() if "pos_emb" not in n)
-    if model.pos_emb is not None:
-        weights += model.pos_emb.weight[0].nbytes
-    kv = 2 * cfg.kv_layers * batch * keys * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
-    return weights, kv
 
 
 class _ModelStep:

@@ -8,7 +8,7 @@ weight, each weight stored in the layout its product streams fastest, `addmv` in
 preallocated outputs, K read as K @ q); with a `StepTimer` it reports the seconds of
 each kind of operation, which divided into its bytes give the bandwidth it achieves.
 Also here: the model's whole steps against the floor at several positions (`bench_floor`,
-with the step reduced to its tensor operations, `ProductsOnly`), the window cache against
+with the step reduced to its tensor operations, `LeanDecode(lean=False)`), the window cache against
 the concatenating cache per step, and the cost of the cache's validation per step.
 """
 
@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from labcode.bench.common import TIMED, Sizes, bar
 from labcode.bench.layout import row_major_copy
 from labcode.bench.roofline import fill_cache
-from labcode.bench.timing import Streamer, linear_layouts, median, per_call, rotated, timed, timed_cpu
+from labcode.bench.timing import Streamer, median, per_call, rotated, timed_cpu
 from labcode.caches import ConcatCache, WindowCache
-from labcode.cost import kv_cache_bytes
 from labcode.generate import decode_step
 from labcode.model import GPT, attend, rotate
 from labcode.results import QAResult
@@ -67,7 +66,9 @@ class LeanDecode:
     """A cached decode step of `model` reduced to its tensor operations, with eager PyTorch's speed options.
 
     `lean=False` performs exactly the model's operations on the model's own tensors
-    (`F.linear`, `attend`): a per-operation profile of the model. `lean=True` uses a fused
+    (`F.linear`, `attend`) and nothing around them (no modules, checks, masks or cache
+    protocol): untimed, what eager PyTorch's kernels need for the model's step (the
+    floor benchmark's "products only"); timed, a per-operation profile. `lean=True` uses a fused
     Q/K/V weight, stores every weight in `layouts[(out, in)]` ("row" or "col"; default
     "row"), multiplies one row with `addmv` into preallocated outputs, and reads the keys
     as K @ q. It writes into a `WindowCache`'s buffers as the model does; callable like
@@ -168,13 +169,14 @@ class LeanDecode:
 
 
 @torch.inference_mode()
-def lean_diff(model: GPT, position: int, layouts: dict | None = None) -> float:
-    """Max |logit difference| between `LeanDecode` and the model on the same cached step (float32 rounding)."""
+def lean_diff(model: GPT, position: int, layouts: dict | None = None, lean: bool = True) -> float:
+    """Max |logit difference| between `LeanDecode(model, lean, layouts)` and the model on the same cached step
+    (float32 rounding)."""
     caches = [WindowCache(model.cfg.n_layers, model.cfg.context_length) for _ in range(2)]
     token = torch.tensor([3], device=model.device)
     for cache in caches:
         fill_cache(cache, model, 1, position)
-    lean = decode_step(LeanDecode(model, True, layouts), token, caches[0])
+    lean = decode_step(LeanDecode(model, lean, layouts), token, caches[0])
     return float((lean - decode_step(model, token, caches[1])).abs().max())
 
 
@@ -375,85 +377,15 @@ def validation_cost(model: GPT, position: int = 16) -> dict:
             "per_step_now_us": check_us + ids_us, "per_step_once_us": check_us + ids_us}
 
 
-def weight_bytes_per_step(model: GPT) -> int:
-    """Bytes of weights one decode step reads: every parameter, except that the position table gives one row."""
-    total = sum(p.nbytes for p in model.parameters())
+def step_bytes(model: GPT, keys: int, batch: int = 1) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) a decode step must read: every weight once (one row of a position table), and
+    the K and V of `keys` positions, the new one included, per sequence."""
+    cfg = model.cfg
+    weights = sum(p.nbytes for n, p in model.named_parameters() if "pos_emb" not in n)
     if model.pos_emb is not None:
-        w = model.pos_emb.weight
-        total -= w.nbytes - w[0].nbytes
-    return total
-
-
-def kv_bytes_per_step(model: GPT, keys: int, batch: int = 1) -> int:
-    """Bytes of K and V one decode step reads when `keys` positions (the new one included) are attended to."""
-    cfg = model.cfg
-    return kv_cache_bytes(cfg.n_layers, batch, keys, cfg.n_kv_heads, cfg.head_dim, model.dtype.itemsize)
-
-
-def _fill(cache: WindowCache, model: GPT, length: int, gen: torch.Generator) -> None:
-    """Put `length` random positions in every layer of `cache`: a decode step's cost does not depend on the values."""
-    cfg = model.cfg
-    if length == 0:
-        return
-    shape = (1, cfg.n_kv_heads, length, cfg.head_dim)
-    k = torch.randn(shape, generator=gen).to(model.device, model.dtype)
-    cache.feed(k, k)
-
-
-class ProductsOnly:
-    """A cached decode step reduced to its tensor operations: no modules, no checks, no cache object logic.
-
-    A measuring device, not a design: it writes one position into a `WindowCache`'s
-    buffers and reads them back as the model does, with the model's own weights and
-    `attend`, but skips every Python layer around the operations (module calls,
-    the model's and the cache's validation, masks, positions). Its time is what eager
-    PyTorch's kernels need for one step, so the model's distance to it is the cost of
-    the course's structure, and its own distance to the floor is the kernels'.
-    Callable like the model on one new position: `step(ids [B, 1], cache) -> logits [B, 1, V]`.
-    """
-
-    def __init__(self, model: GPT) -> None:
-        self.model, self.cfg, self.device, self.dtype = model, model.cfg, model.device, model.dtype
-        self.layers = [(b.ln_1, b.attn.q_proj, b.attn.kv_proj, b.attn.out_proj, b.ln_2, b.mlp[0], b.mlp[2])
-                       for b in model.blocks]
-
-    def __call__(self, ids: torch.Tensor, cache: WindowCache) -> torch.Tensor:
-        m, cfg = self.model, self.cfg
-        b, n = ids.shape[0], cache.ptr
-        h, hkv, d, c = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
-        assert ids.shape[1] == 1 and n < cache.capacity, "one new position, without a drop"
-        x = F.embedding(ids, m.tok_emb.weight)  # (B, 1, C)
-        if m.pos_emb is not None:
-            x = x + m.pos_emb.weight[n]
-        pos = torch.tensor([n], device=ids.device)
-        for layer, (ln1, wq, wkv, wo, ln2, fc, proj) in enumerate(self.layers):
-            a = F.layer_norm(x, (c,), ln1.weight, ln1.bias, ln1.eps)
-            q = F.linear(a, wq.weight, wq.bias).view(b, 1, h, d).transpose(1, 2)  # (B, H, 1, D)
-            k, v = F.linear(a, wkv.weight, wkv.bias).view(b, 1, 2, hkv, d).permute(2, 0, 3, 1, 4)
-            if cfg.rotary:
-                q, k = rotate(q, pos, cfg.rope_base), rotate(k, pos, cfg.rope_base)
-            cache._buffers(layer, k, cache.capacity)  # an empty cache: its buffers come with the first write
-            keys, values = cache.k[layer], cache.v[layer]
-            keys.narrow(2, n, 1).copy_(k)
-            values.narrow(2, n, 1).copy_(v)
-            y = attend(q, keys.narrow(2, 0, n + 1), values.narrow(2, 0, n + 1), None)
-            x = x + F.linear(y.transpose(1, 2).reshape(b, 1, c), wo.weight, wo.bias)
-            a = F.layer_norm(x, (c,), ln2.weight, ln2.bias, ln2.eps)
-            x = x + F.linear(F.gelu(F.linear(a, fc.weight, fc.bias), approximate="tanh"), proj.weight, proj.bias)
-        cache.ptr, cache.position = n + 1, cache.position + 1  # bypasses the protocol on purpose: no begin, no end
-        return F.linear(F.layer_norm(x, (c,), m.ln_f.weight, m.ln_f.bias, m.ln_f.eps), m.tok_emb.weight)
-
-
-@torch.inference_mode()
-def products_only_diff(model: GPT, position: int) -> float:
-    """Max |logit difference| between `ProductsOnly` and the model on the same cached step (float32 rounding)."""
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    caches = [WindowCache(model.cfg.n_layers, model.cfg.context_length) for _ in range(2)]
-    token = torch.randint(0, model.cfg.vocab_size, (1,), generator=gen).to(model.device)
-    for cache in caches:
-        _fill(cache, model, position, torch.Generator(device="cpu").manual_seed(0))
-    lean = decode_step(ProductsOnly(model), token, caches[0])
-    return float((lean - decode_step(model, token, caches[1])).abs().max())
+        weights += model.pos_emb.weight[0].nbytes
+    kv = 2 * cfg.kv_layers * batch * keys * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
+    return weights, kv
 
 
 @torch.inference_mode()
@@ -462,12 +394,12 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
     """Seconds per cached decode step at each position, next to (weights + K/V bytes) / measured bandwidth.
 
     `variants` (other models of the same shape, e.g. another weight layout, or callables
-    such as `ProductsOnly` that step a `WindowCache` like the model) are timed
+    such as `LeanDecode` that step a `WindowCache` like the model) are timed
     interleaved with `model`, step by step. Bandwidth is measured by `streamer` between
     positions, in the same process; the floor uses the median of all those measurements.
     Everything is measured twice: in wall-clock time and in process CPU time (`_cpu`).
     """
-    device, gen = model.device, torch.Generator(device="cpu").manual_seed(0)
+    device = model.device
     models = {"model": model, **(variants or {})}
     token = torch.zeros(1, dtype=torch.long, device=device)
     step_s = {name: defaultdict(list) for name in models}
@@ -476,7 +408,7 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
         for p in positions:
             caches = {name: WindowCache(m.cfg.n_layers, m.cfg.context_length) for name, m in models.items()}
             for name, m in models.items():
-                _fill(caches[name], m, p, gen)
+                fill_cache(caches[name], m, 1, p)
                 for _ in range(warmup):
                     decode_step(m, token, caches[name])
             for s in range(steps):
@@ -488,11 +420,11 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
             if progress is not None:
                 progress.update(1)
     bw = {key: median([b[key] for b in bandwidth]) for key in bandwidth[0]}
-    w_bytes = weight_bytes_per_step(model)
+    w_bytes, kv_per_key = step_bytes(model, 1)
     # Steps at p + warmup .. p + warmup + steps - 1 were timed; their keys include the new one.
-    kv = [kv_bytes_per_step(model, p + warmup + (steps + 1) // 2) for p in positions]
+    kv = [step_bytes(model, p + warmup + (steps + 1) // 2)[1] for p in positions]
     out = {"positions": positions, "weight_bytes": w_bytes, "kv_bytes": kv, "bandwidth_bytes_per_s": bw,
-           "kv_bytes_per_key": kv_bytes_per_step(model, 1),
+           "kv_bytes_per_key": kv_per_key,
            "bandwidth_samples": [b["best"] for b in bandwidth], "variants": {}}
     for i, suffix in ((0, ""), (1, "_cpu")):  # wall clock, then CPU time
         floor = [(w_bytes + b) / bw["best" + suffix] for b in kv]
@@ -510,32 +442,12 @@ def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, strea
 
 
 @torch.inference_mode()
-def overhead_step(model: GPT, position: int, steps: int = 15, warmup: int = 3) -> dict:
-    """Median seconds of a decode step of the same model with every width shrunk (D = 4, V = 64).
-
-    The layers, heads and calls are the same, but no tensor is larger than a few kilobytes:
-    what is left is the cost of the calls themselves (Python, dispatch, the cache's checks).
-    """
-    cfg = model.cfg.with_(d_model=4 * model.cfg.n_heads, vocab_size=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        small = GPT(cfg).to(model.device).eval()
-    cache = WindowCache(cfg.n_layers, cfg.context_length)
-    _fill(cache, small, position, torch.Generator(device="cpu").manual_seed(0))
-    token = torch.zeros(1, dtype=torch.long, device=model.device)
-    for _ in range(warmup):
-        decode_step(small, token, cache)
-    times = [timed(lambda: decode_step(small, token, cache), model.device) for _ in range(steps)]
-    return {"position": position, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "step_s": median(times)}
-
-
-@torch.inference_mode()
 def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
     """Where a cached decode step's time goes: self time per aten op (per weight shape for products), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     cache = WindowCache(model.cfg.n_layers, model.cfg.context_length)
-    _fill(cache, model, position, torch.Generator(device="cpu").manual_seed(0))
+    fill_cache(cache, model, 1, position)
     token = torch.zeros(1, dtype=torch.long, device=model.device)
     decode_step(model, token, cache)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
@@ -565,15 +477,14 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: b
     layouts = {tuple(r["shape"]): r["best_addmv_layout"] for r in products}
     lean = LeanDecode(model, lean=True, layouts=layouts)
     with bar(sizes.floor_rounds * len(sizes.floor_positions), "bandwidth floor", progress) as shown:
+        variants = {"row-major weights": row_major_copy(model), "products only": LeanDecode(model, lean=False),
+                    "lean": lean}
         floor = bench_floor(model, list(sizes.floor_positions), sizes.floor_steps, sizes.floor_rounds, streamer,
-                            variants={"row-major weights": row_major_copy(model), "products only": ProductsOnly(model),
-                                      "lean": lean}, progress=shown)
+                            variants=variants, progress=shown)
     floor["preset"], floor["device"] = sizes.floor_preset, device.type
-    floor["products_only_max_logit_diff"] = products_only_diff(model, sizes.floor_positions[-1])
+    floor["products_only_max_logit_diff"] = lean_diff(model, sizes.floor_positions[-1], lean=False)
     floor["lean_max_logit_diff"] = lean_diff(model, sizes.floor_positions[-1], layouts)
-    floor["overhead"] = overhead_step(model, sizes.floor_positions[len(sizes.floor_positions) // 2])
     res.value("floor", floor, TIMED)
-    res.value("linear_layouts", linear_layouts(shapes, device, min_mbytes=sizes.bandwidth_mbytes // 2), TIMED)
     bandwidth = {"wall": bw["best"], "cpu": bw["best_cpu"]}
     cfg = model.cfg
     res.value("floor_ops", {

@@ -42,7 +42,6 @@ SHORT_LABELS = {  # the same, short enough for a bar chart's labels on a phone
     "bare_slice": "bare copy_",
     "fused_slice": "one copy_, all layers",
 }
-VARIANT_COLORS = ("tab:orange", "tab:green", "tab:purple", "tab:brown")  # the floor plot's variants, in order
 
 
 def _log_panels(runs: dict, draw: Callable[[Axes, str, dict], None]) -> Figure:
@@ -114,31 +113,6 @@ def plot_speedup(values: dict) -> Figure:
         ax.set(xscale="log", xlabel="speedup over no cache (total time)", title=preset,
                xlim=(0.5, 2 * max(res["predicted_speedup"], *res["speedup"].values())))
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
-def plot_floor(values: dict, target: float = 1.3) -> Figure:
-    """Cached decode step time against the memory-bandwidth floor, across positions: wall clock and CPU time."""
-    res = values["floor"]
-    clocks = [("", "wall clock")] + ([("_cpu", "process CPU time")] if "ratio_cpu" in res else [])
-    fig, axes = plt.subplots(2, len(clocks), figsize=(6 * len(clocks), 5.5), sharex=True, squeeze=False)
-    x = res["positions"]
-    for col, (suffix, clock) in enumerate(clocks):
-        top, bottom = axes[0][col], axes[1][col]
-        top.plot(x, [t * MS for t in res[f"step{suffix}_s"]], "o-", label="measured decode step")
-        for (name, var), color in zip(res.get("variants", {}).items(), VARIANT_COLORS, strict=False):
-            top.plot(x, [t * MS for t in var[f"step{suffix}_s"]], "x:", color=color, label=f"same model, {name}")
-        top.plot(x, [t * MS for t in res[f"floor{suffix}_s"]], "s--", color="black", label="floor: bytes / bandwidth")
-        top.set(ylabel="ms per step", ylim=(0, None), title=f"{res.get('preset', '')} decode, {clock}")
-        bottom.plot(x, res[f"ratio{suffix}"], "o-", color="tab:blue", label="model")
-        for (name, var), color in zip(res.get("variants", {}).items(), VARIANT_COLORS, strict=False):
-            bottom.plot(x, var[f"ratio{suffix}"], "x:", color=color, label=name)
-        bottom.axhline(target, color="tab:red", ls="--", label=f"target {target}x")
-        bottom.axhline(1.0, color="gray", lw=0.8)
-        bottom.set(xlabel="position of the new token", ylabel="measured / floor", ylim=(0.8, None))
-    axes[0][0].legend(fontsize=7)
-    axes[1][0].legend(fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -499,7 +473,6 @@ PLOTS = {
     "append_attention": plot_append_attention,
     "generation": plot_generation,
     "speedup": plot_speedup,
-    "floor": plot_floor,
     "roofline": plot_roofline,
     "roofline_fit": plot_roofline_fit,
     "rows": plot_rows,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labcode.bench.common import TIMED, Sizes, bar, random_model
-from labcode.bench.timing import Streamer, matmul_flops_per_s, median, op_overhead, timed_cpu
+from labcode.bench.timing import Streamer, median, op_overhead, timed_cpu
 from labcode.caches import WindowCache
 from labcode.config import GPTConfig, get_config
 from labcode.generate import decode_step
@@ -35,6 +35,7 @@ from labcode.results import QAResult
 from labcode.roofline import Machine, StepCost, decode_cost, predict, prefill_cost, uncached_cost, weight_shapes
 
 KINDS = ("prefill", "decode", "uncached")
+TOLERANCE = 1.5  # how far the roofline's predictions may be off, as a factor either way (its targets)
 
 
 class OpCounter(TorchDispatchMode):
@@ -497,7 +498,7 @@ def worst_factor(ratios: list[float]) -> float:
     return max(max(r, 1 / r) for r in ratios) if ratios else float("nan")
 
 
-def summary(result: dict, tolerance: float = 1.5) -> dict:
+def summary(result: dict, tolerance: float = TOLERANCE) -> dict:
     """Per preset and kind: the worst factor, with and without the overhead term, and where the overhead dominates."""
     out = {}
     for preset, run in result.items():
@@ -571,8 +572,7 @@ def overhead_crossover(cfg: GPTConfig, machine: Machine, ops: int, widths: tuple
 def record_machine(res: QAResult, sizes: Sizes, device: torch.device) -> dict:
     """The machine: the fixed cost of small operations, the peak, the bandwidth and the ceilings of products of few
     rows; returns the measurements the roofline predicts with."""
-    res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device),
-                          "matmul_flops_per_s": matmul_flops_per_s(device)}, TIMED)
+    res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device)}, TIMED)
     measured = measure_machine(device, sizes.bandwidth_mbytes, sizes.overhead_preset, sizes.overhead_min_s)
     measured["rows"] = measure_rows(device, sizes.rows_shape, min_mbytes=sizes.bandwidth_mbytes // 4)
     res.value("roofline_machine", measured, TIMED)

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 from labcode.bench.compiled import fastest_variant
 from labcode.bench.floor import CATEGORIES
-from labcode.bench.roofline import worst_factor
+from labcode.bench.roofline import TOLERANCE, worst_factor
 
 COMPARE = {"<=": lambda m, t: m <= t, ">=": lambda m, t: m >= t, ">": lambda m, t: m > t}
-TOLERANCE = 1.5  # how far the roofline's predictions may be off, as a factor either way
 COMPILED_PRESETS = ("gpt2-124m", "smollm2-135m")  # where the compiled step is held to its targets
 
 

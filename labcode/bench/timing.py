@@ -172,35 +172,3 @@ class Streamer:
         out["best"] = max(out["row_major"], out["col_major"])
         out["best_cpu"] = max(out["row_major_cpu"], out["col_major_cpu"])
         return out
-
-
-def matmul_flops_per_s(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of an n x n x n float32 matrix product: what the machine computes when memory is not the limit."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    a @ b
-    return 2 * n**3 / median([timed(lambda: a @ b, device) for _ in range(repeats)])
-
-
-def linear_layouts(shapes: Sequence[tuple[int, int]], device: torch.device, min_mbytes: int = 64,
-                   repeats: int = 5) -> list[dict]:
-    """Bytes per second of `F.linear` on one row for weights [out, in] stored row by row and column by column.
-
-    Each shape cycles through enough distinct matrices (at least `min_mbytes` in all) that
-    none is still in cache when it is read again, as in a decode step of a large model.
-    """
-    out = []
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    for n_out, n_in in shapes:
-        copies = max(1, -(-min_mbytes * 2**20 // (4 * n_out * n_in)))
-        rows = [torch.randn(n_out, n_in, generator=gen).to(device) for _ in range(copies)]
-        layouts = {"row_major": rows, "col_major": [w.t().contiguous().t() for w in rows]}
-        x = torch.randn(1, n_in, generator=gen).to(device)
-        seconds: dict[str, list[float]] = {name: [] for name in layouts}
-        for _ in range(repeats + 1):  # the first round warms up
-            for name, ws in layouts.items():
-                seconds[name].append(timed(lambda ws=ws, x=x: [torch.nn.functional.linear(x, w) for w in ws], device))
-        nbytes = sum(w.nbytes for w in rows)
-        out.append({"shape": [n_out, n_in], **{name: nbytes / median(ts[1:]) for name, ts in seconds.items()}})
-        del rows, layouts
-    return out
