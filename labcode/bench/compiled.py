@@ -354,40 +354,40 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
                                                     strict=True)] for n in names}}
 
 
+def _history(model: GPT, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids [1, length] and the model's full-pass logits of every position [length, V]: the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, length), generator=gen).to(model.device)
+    return ids, model(ids)[0]
+
+
+def _off(runner, ids: torch.Tensor, ref: torch.Tensor, prompt: int) -> float:
+    """The largest |logit difference| from `ref` of `runner`'s steps over ids[:, prompt:] after prefilling the
+    rest."""
+    runner.reset(0)
+    runner.prefill(ids[:, :prompt])
+    got = torch.stack([runner.step(ids[:, t : t + 1])[0] for t in range(prompt, ids.shape[1])])
+    return float((got - ref[prompt:]).abs().max())
+
+
 @torch.inference_mode()
 def _logit_diffs(model: GPT, runners: dict, position: int, steps: int = 3) -> dict:
-    """The largest |logit difference| of each variant from the course model's step, over `steps` steps from
+    """The largest |logit difference| of each variant from the course model's full pass, over `steps` steps from
     `position` on one cached history (float32 here: the exact comparison is `float64_check`)."""
-    gen = torch.Generator().manual_seed(position)
-    ids = torch.randint(0, model.cfg.vocab_size, (1, position + steps), generator=gen).to(model.device)
-    ref = model(ids)[0, position:]
-    out = {}
-    for n, r in runners.items():
-        if n == "eager model":
-            continue
-        r.reset(0)
-        r.prefill(ids[:, :position])
-        got = torch.stack([r.step(ids[:, position + i : position + i + 1])[0] for i in range(steps)])
-        out[n] = float((got - ref).abs().max())
-    return out
+    ids, ref = _history(model, position + steps, position)
+    return {n: _off(r, ids, ref, position) for n, r in runners.items() if n != "eager model"}
 
 
 @torch.inference_mode()
 def float64_check(model: GPT, prompt: int = 5, steps: int = 6, compile: bool = True) -> dict:
     """The fused step (compiled unless `compile=False`) against the model's full pass in float64: the largest
     |logit difference| over `steps` decode steps after a `prompt`-token prefill, and the compile seconds."""
-    cfg = model.cfg
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt + steps), generator=gen).to(model.device)
-    ref = model(ids)[0, prompt:]
+    ids, ref = _history(model, prompt + steps, 0)
     out = {}
     for concat in (False, True):
         f = FusedDecode(model, prompt + steps + 3, concat=concat)
         seconds = f.compiled() if compile else 0.0
-        f.prefill(ids[:, :prompt])
-        got = torch.stack([f.step(ids[:, prompt + i : prompt + i + 1])[0] for i in range(steps)])
-        out["concat" if concat else "window"] = {"max_logit_diff": float((got - ref).abs().max()),
-                                                 "compile_s": seconds}
+        out["concat" if concat else "window"] = {"max_logit_diff": _off(f, ids, ref, prompt), "compile_s": seconds}
     return out
 
 

@@ -105,7 +105,7 @@ def _window(values: dict, target: float) -> list[dict]:
 
 def _why_off(values: dict, point: dict) -> str:
     """Why a roofline point missed its prediction, by what bounds it: what products of that many rows reach
-    (compute), what the decode step's operations stream at (memory); the fixed cost is in the record beside it."""
+    (compute), where the decode step's stream rates are (memory); the fixed cost is in the record beside it."""
     bound = point["predicted"]["bound"]
     machine = values["roofline_machine"]
     rows = machine.get("rows", [])
@@ -113,11 +113,9 @@ def _why_off(values: dict, point: dict) -> str:
         near = min(rows, key=lambda r: abs(math.log(r["rows"] / max(point["t_new"] * point["batch"], 1))))
         return (f"; products with {near['rows']} rows run at {near['flops_per_s'] / 1e9:.3g} GFLOP/s, "
                 f"{near['flops_per_s'] / machine['wall']['peak_flops_per_s']:.0%} of the measured peak")
-    ops = values.get("floor_ops", {}).get("model")
-    if bound == "memory" and ops:
-        return (f"; in the decode step of {values['floor_ops']['preset']} at position {ops['position']} (taken "
-                "apart in the appendix) the model's operations stream below one large matrix-vector product, "
-                + streams(ops))
+    if bound == "memory" and values.get("floor_ops"):
+        return ("; the decode step's operations stream below one large matrix-vector product (their rates: the "
+                "reason of decode_near_floor)")
     return ""
 
 
