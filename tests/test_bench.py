@@ -19,7 +19,8 @@ from labcode import GPT, get_config
 from labcode.bench import SIZES, random_model
 from labcode.bench.__main__ import main as bench_main
 from labcode.bench.append import AppendSetup, bench_append
-from labcode.bench.floor import lean_diff, step_bytes
+from labcode.bench.compiled import _logit_diffs, _ModelStep
+from labcode.bench.floor import step_bytes
 from labcode.bench.targets import speedup_at_floor
 from labcode.caches import ConcatCache, GrowableCache, PairsCache, RingCache, WindowCache
 from labcode.cost import kv_cache_bytes, kv_cache_elements
@@ -64,7 +65,7 @@ def test_result_file_is_schema_valid_and_machine_dependent(bench_run):
 
 def test_result_holds_every_measurement(bench_run):
     values = bench_run[0]["values"]
-    for key in ("machine", "append", "append_attention", "generation", "floor", "targets",
+    for key in ("machine", "append", "append_attention", "generation", "targets",
                 "elapsed_s", "roofline_machine", "roofline", "roofline_summary", "batch", "floor_ops",
                 "window_vs_concat", "memory", "compiled"):
         assert key in values, key
@@ -80,10 +81,12 @@ def test_result_holds_every_measurement(bench_run):
         assert set(run["per_step_s"]) >= {"nocache", "cat", "window", "naive", "explicit"}
         assert all(len(ts) == new for ts in run["per_step_s"].values())
         assert run["predicted_speedup"] == run["flops_nocache"] / run["flops_cached"]
-    floor = values["floor"]
-    assert len(floor["ratio"]) == len(floor["positions"]) == len(floor["floor_s"]) == len(floor["ratio_cpu"])
-    assert set(floor["variants"]) == {"row-major weights", "products only", "lean"}
-    assert floor["kv_bytes_per_key"] == 2 * get_config("tiny").n_layers * get_config("tiny").d_model * 4
+    steps = values["compiled"]["runs"]["tiny"]  # the floor's preset: the eager variants beside the fused step
+    assert list(steps["variants"]) == ["eager model", "row-major weights", "products only", "lean", "fused eager"]
+    assert set(steps["max_logit_diff"]) == set(steps["variants"])  # every step's logits checked
+    for v in steps["variants"].values():
+        assert len(v["over_floor"]) == len(v["over_floor_cpu"]) == len(steps["positions"]) == len(steps["floor_s"])
+    assert steps["kv_bytes_per_key"] == 2 * get_config("tiny").n_layers * get_config("tiny").d_model * 4
     products = {tuple(r["shape"]): r["bytes_per_s"] for r in values["floor_ops"]["products"]}
     assert set(products) == {(256, 64), (64, 256), (64, 64), (128, 64), (192, 64)}  # and the fused Q/K/V weight
     assert all({"F.linear, row", "F.linear, col"} <= set(ways) for ways in products.values())
@@ -92,9 +95,8 @@ def test_result_holds_every_measurement(bench_run):
 def test_checks_are_about_correctness_and_pass(bench_run):
     doc, _ = bench_run
     names = {c["name"] for c in doc["checks"]}
-    assert {"flops_full_forward", "flops_decode_step", "attention_methods_agree", "products_only_logits",
-            "lean_logits", "memory_allocation", "fused_step_float64_window", "fused_step_float64_concat",
-            "fused_step_logits_tiny"} <= names
+    assert {"flops_full_forward", "flops_decode_step", "attention_methods_agree", "memory_allocation",
+            "fused_step_float64_window", "fused_step_float64_concat", "decode_step_logits_tiny"} <= names
     assert not any("speed" in n or "floor" in n for n in names), "timings must never be checks"
     assert doc["passed"], [c for c in doc["checks"] if not c["passed"]]
 
@@ -145,9 +147,10 @@ def test_a_target_is_a_template_over_facts_judged_by_its_comparison():
 
 def test_speedup_at_floor_adds_one_floor_per_decode_step():
     run = {"positions": [4, 5, 6], "total_s": {"nocache": 12.0}, "per_step_s": {"window": [1.0, 9.0, 9.0]}}
-    floor = {"bandwidth_bytes_per_s": {"best": 10.0}, "kv_bytes_per_key": 2, "weight_bytes": 10}
-    # decode steps attend to 5 and 6 keys: (10 + 10) / 10 + (10 + 12) / 10 = 4.2 s, plus the measured prompt pass
-    assert speedup_at_floor(run, floor) == pytest.approx(12.0 / 5.2)
+    steps = {"bandwidth_bytes_per_s": [9.0, 10.0, 11.0], "kv_bytes_per_key": 2, "weight_bytes": 10}
+    # decode steps attend to 5 and 6 keys: (10 + 10) / 10 + (10 + 12) / 10 = 4.2 s at the median bandwidth, plus
+    # the measured prompt pass
+    assert speedup_at_floor(run, steps) == pytest.approx(12.0 / 5.2)
 
 
 def test_every_figure_is_written(bench_run):
@@ -446,8 +449,8 @@ def test_lean_decode_step_computes_the_models_logits(name, lean):
                 assert (a - b).abs().max() <= 1e-12, (batch, t)
             assert mine.position == ref.position == 7  # and the cache holds the same keys (addmv sums in another order)
             assert (mine.read(1)[0] - ref.read(1)[0]).abs().max() <= (1e-12 if lean else 0.0)
-    for position in (0, 1, 30):  # the benchmark's own check of the same, as it records it
-        assert lean_diff(model, position, layouts, lean) <= 1e-12
+    for position in (1, 30):  # the benchmark's own check of the same, as it records it
+        assert _logit_diffs(model, {"lean": _ModelStep(model, cfg.context_length, step)}, position)["lean"] <= 1e-12
 
 
 def test_floor_bytes_are_the_weights_and_the_kv():

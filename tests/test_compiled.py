@@ -20,7 +20,7 @@ from labcode.bench.compiled import (
     bench_compiled,
     float64_check,
 )
-from labcode.bench.floor import step_bytes
+from labcode.bench.floor import LeanDecode, step_bytes
 from labcode.bench.targets import TARGETS, targets
 from labcode.bench.timing import Streamer
 from labcode.cost import kv_cache_bytes
@@ -152,14 +152,19 @@ def test_step_bytes_are_the_weights_once_and_the_keys_read():
 def test_the_benchmark_records_every_eager_variant_and_its_targets():
     """The benchmark at test sizes, without compiling: every value it records, and targets with reasons."""
     model = GPT(GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, d_model=32)).eval()
-    run = bench_compiled(model, "toy", (4, 20), 2, 1, Streamer(1, torch.device("cpu")), compile=False)
-    assert set(run["variants"]) == {"eager model", "fused eager"}
+    run = bench_compiled(model, "toy", (4, 20), 2, 1, Streamer(1, torch.device("cpu")), compile=False,
+                         extra={"products only": LeanDecode(model, lean=False)})
+    assert list(run["variants"]) == ["eager model", "products only", "fused eager"]
     assert run["positions"] == [4, 20] and run["compile_s"] == {}
     for v in run["variants"].values():
         assert len(v["step_s"]) == 2 and all(s > 0 for s in v["step_s"])
-        assert v["over_floor"] == [s / f for s, f in zip(v["step_s"], run["floor_s"], strict=True)]
+        for clock in ("", "_cpu"):  # each clock against the bandwidth measured on it
+            assert v["over_floor" + clock] == [s / f for s, f in zip(v[f"step{clock}_s"], run[f"floor{clock}_s"],
+                                                                      strict=True)]
+            assert run[f"floor{clock}_s"] == [b / w for b, w in zip(run["floor_bytes"],
+                                                                    run[f"bandwidth{clock}_bytes_per_s"], strict=True)]
     assert run["floor_bytes"] == [sum(step_bytes(model, p + 1)) for p in (4, 20)]  # the middle of 2 steps: p + 1
-    assert run["max_logit_diff"]["fused eager"] <= 1e-4
+    assert set(run["max_logit_diff"]) == set(run["variants"]) and max(run["max_logit_diff"].values()) <= 1e-4
     assert set(run["operations"]) == {"eager model", "fused eager"}
     held = ("compiled_near_floor_{preset}", "compiled_speedup_{preset}", "compiled_window_not_slower")
     judged = targets({"compiled": {"runs": {"toy": run}}}, only=held)

@@ -10,10 +10,11 @@ summarised by medians and ratios:
   3. greedy generation with no cache and with every cache (`generation`);
   4. the roofline: every prefill, decode and uncached call predicted and timed
      (`roofline`); decode against the batch size (`batch`);
-  5. cached decode steps against the memory-bandwidth floor, operation by operation, and
+  5. a cached decode step against the memory-bandwidth floor, operation by operation, and
      the window cache against the concatenating one (`floor`);
-  6. the decode step fused and compiled against the model's eager step and the floor, at
-     every preset and the real model (`compiled`; the test sizes never compile);
+  6. whole decode steps against the floor, side by side: the model's eager step, its
+     leaner eager variants, the step fused and compiled, at every preset and the real
+     model (`compiled`; the test sizes never compile);
   7. how many sequences fit in memory, checked by allocating the caches (`memory`);
   8. the record's correctness checks (`correctness`).
 `common` holds what they share: the sizes of each mode, the random models, the rule.
@@ -63,10 +64,10 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     batch.record(res, sizes, device, measured, models, progress)
     lap("roofline")
     model = models.get(sizes.floor_preset) or random_model(sizes.floor_preset, device)
-    floor.record(res, sizes, device, model, progress)
+    layouts = floor.record(res, sizes, device, model, progress)
     del models, model
     lap("floor")
-    compiled.record(res, sizes, device, progress)
+    compiled.record(res, sizes, device, progress, layouts)
     lap("compiled")
     memory.record(res, sizes)
     lap("memory")

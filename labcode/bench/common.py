@@ -29,9 +29,6 @@ class Sizes:
     # (preset, prompt length, new tokens, rounds) for each end-to-end generation benchmark
     generation: tuple[tuple[str, int, int, int], ...] = (("tiny", 16, 48, 5), ("gpt2-124m", 64, 128, 1))
     floor_preset: str = "gpt2-124m"  # the model whose decode steps are held against the bandwidth floor
-    floor_positions: tuple[int, ...] = tuple(range(0, 1009, 96))
-    floor_steps: int = 11
-    floor_rounds: int = 2
     bandwidth_mbytes: int = 256
     profile_position: int = 512
     profile_steps: int = 3  # 0: no torch.profiler table (its first use costs seconds)
@@ -63,10 +60,11 @@ class Sizes:
     batch_min_s: float = 1.0  # each batch is timed in rounds of `batch_steps` steps until they add up to this
     stream_mbytes: int = 64  # at least this many MB of each weight shape in the memory-side ceilings' probe
     decode_min_rounds: int = 3  # rounds every decode point takes at least: the ceilings beside it, a median of three
-    # the fused decode step, eager and compiled, against the floor (labcode.bench.compiled); positions as fractions
-    # of each preset's buffers (its context, at most `compiled_capacity`); `compile` False times the eager steps only
+    # whole decode steps against the floor (labcode.bench.compiled): the model's eager step, the fused step eager and
+    # compiled, and at `floor_preset` (always timed) the eager variants; positions as fractions of the room in each
+    # preset's buffers (its context, at most `compiled_capacity`); `compile` False times the eager steps only
     compiled_presets: tuple[str, ...] = ("tiny", "small", "gpt2-124m", "smollm2-135m")
-    compiled_positions: tuple[float, ...] = (0.125, 0.5, 0.875)
+    compiled_positions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     compiled_capacity: int = 1024
     compiled_steps: int = 7
     compiled_rounds: int = 3
@@ -81,7 +79,6 @@ SIZES = {
     "full": Sizes(),
     "quick": Sizes(append_decode=24, append_rounds=2, attention_decode=24, attention_rounds=2,
                    generation=(("tiny", 16, 32, 3), ("gpt2-124m", 16, 12, 1)),
-                   floor_positions=(0, 256, 512, 768, 1008), floor_steps=5, floor_rounds=1,
                    bandwidth_mbytes=128, profile_steps=0, floor_ops_steps=3, kv_read_lengths=(512,),
                    window_concat_positions=(0, 512, 1000), window_concat_steps=5, window_concat_rounds=1,
                    roofline_presets=("small", "tiny"), roofline_prefill=((16, 0), (128, 0)),
@@ -92,8 +89,8 @@ SIZES = {
                    compiled_presets=("tiny", "small"), compiled_steps=5, compiled_rounds=2),
     "test": Sizes(append_layers=3, append_prefills=(16, 256), append_decode=4, append_rounds=1,
                   attention_decode=4, attention_rounds=1, generation=(("micro", 4, 5, 1), ("tiny", 4, 5, 1)),
-                  floor_preset="tiny", floor_positions=(0, 40), floor_steps=2, floor_rounds=1,
-                  bandwidth_mbytes=8, profile_steps=0, floor_ops_position=20, floor_ops_steps=2,
+                  floor_preset="tiny", bandwidth_mbytes=8,
+                  profile_steps=0, floor_ops_position=20, floor_ops_steps=2,
                   kv_read_lengths=(32,), window_concat_positions=(0, 40), window_concat_steps=2,
                   window_concat_rounds=1, roofline_presets=("tiny",), roofline_prefill=((8, 0), (8, 16)),
                   roofline_decode=(0.0, 0.5), roofline_uncached=(16,), roofline_repeats=2,
@@ -101,7 +98,8 @@ SIZES = {
                   batch_runs=(("tiny", (1, 2), (8,)),), batch_steps=2, batch_min_s=0.0, stream_mbytes=1,
                   decode_min_rounds=1, memory_budget_gib=0.001,
                   memory_lengths=(20,), memory_block_size=8, overhead_preset="tiny", rows_shape=(256, 64),
-                  compiled_presets=("tiny",), compiled_steps=2, compiled_rounds=1, compile=False),
+                  compiled_presets=("tiny",), compiled_positions=(0.0, 1.0), compiled_steps=2, compiled_rounds=1,
+                  compile=False),
 }
 
 

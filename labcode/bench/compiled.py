@@ -11,6 +11,9 @@ fuses (`compiled()`), recompiling for nothing but a new number of keys, which it
 a symbol. The eager step and the compiled one compute the model's logits; the test
 command proves the eager step equal to the model (float64, 1e-12) and the benchmark
 compares the compiled one against both.
+`bench_compiled` is the benchmark of whole decode steps: the model's own eager step, the
+eager variants of `labcode.bench.floor` at the floor's preset, and the fused step eager and
+compiled, timed side by side against the floor of the bytes a step must read.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from labcode.bench.common import TIMED, Sizes, bar, random_model
-from labcode.bench.floor import step_bytes
+from labcode.bench.floor import LeanDecode, step_bytes
+from labcode.bench.layout import row_major_copy
 from labcode.bench.roofline import fill_cache
-from labcode.bench.timing import Streamer, median, rotated, sync
+from labcode.bench.timing import Streamer, median, rotated, timed_cpu
 from labcode.caches import WindowCache
 from labcode.checks import fail
 from labcode.config import get_config
@@ -230,41 +234,40 @@ def fresh_compile_cache():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The benchmark: the model's eager step, the fused step eager and compiled, against the floor, side by side.
+# The benchmark: the model's eager step, its variants, the fused step eager and compiled, against the floor.
 
-VARIANTS = ("eager model", "fused eager", "compiled", "compiled concat")
+VARIANTS = ("eager model", "row-major weights", "products only", "lean", "fused eager", "compiled", "compiled concat")
 
 
 class _ModelStep:
-    """The course model's own cached decode step (`decode_step` on a `WindowCache`), restartable at a position."""
+    """A decode step through the course's `WindowCache`, restartable at a position: the model's own
+    (`decode_step(model)`), or `step`'s, anything `decode_step` runs like the model (a copy with other weight
+    layouts, a `LeanDecode`); the prompt is always the model's pass."""
 
-    def __init__(self, model: GPT, capacity: int) -> None:
+    def __init__(self, model: GPT, capacity: int, step=None) -> None:
         self.model, self.cache = model, WindowCache(model.cfg.kv_layers, capacity)
-        self.token = torch.zeros(1, dtype=torch.long, device=model.device)
+        self.stepper = model if step is None else step
 
+    @torch.inference_mode()  # as every call that writes the cache: its buffers are made in inference mode
     def reset(self, position: int) -> None:
         if position > self.cache.position:
             fill_cache(self.cache, self.model, 1, position - self.cache.position)
         self.cache.rollback(self.cache.position - position)
 
     @torch.inference_mode()
-    def step(self, _ids=None) -> torch.Tensor:
-        return decode_step(self.model, self.token, self.cache)
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, self.cache)[:, -1]
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        return decode_step(self.stepper, ids[:, 0], self.cache)
 
 
-def _timed_steps(runner, position: int, steps: int) -> list[float]:
-    """Seconds of `steps` consecutive steps from `position` (after one untimed step there)."""
-    ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
+def _start(runner, position: int) -> None:
+    """Put `runner` at `position` after one untimed step there: timed steps start from the same state."""
     runner.reset(position)
-    runner.step(ids)
+    runner.step(torch.zeros(1, 1, dtype=torch.long, device=runner.model.device))
     runner.reset(position)
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        runner.step(ids)
-        sync(runner.model.device)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def profile_step(runner, position: int, steps: int = 3) -> dict:
@@ -274,8 +277,7 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
     softmax); the rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
     from torch.profiler import ProfilerActivity, profile
 
-    _timed_steps(runner, position, 1)
-    runner.reset(position)
+    _start(runner, position)
     ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -294,21 +296,28 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
 
 
 def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int, rounds: int, streamer,
-                   capacity: int | None = None, concat: bool = True, compile: bool = True, progress=None) -> dict:
-    """The decode step of `model` four ways, side by side, against the floor of the bytes it must read.
+                   capacity: int | None = None, concat: bool = True, compile: bool = True, extra: dict | None = None,
+                   progress=None) -> dict:
+    """The decode step of `model` several ways, side by side, against the floor of the bytes it must read.
 
-    In each round every variant (`VARIANTS`; `concat=False` leaves out the compiled concatenating
-    step, `compile=False` both compiled ones: the test command never compiles) times `steps` steps
-    from each position, in rotating order, and the streaming bandwidth is measured again in the same
-    round: the floor of a step is its bytes over that bandwidth.
+    The variants (`VARIANTS`, in that order) are the model's eager step, the steps in `extra`
+    (name: anything `decode_step` runs like the model, e.g. `LeanDecode`), the fused step eager
+    and compiled (`compile=False`: the test command never compiles), and the compiled
+    concatenating step (`concat`). In each round, at each position, the variants take `steps` steps
+    interleaved, one step each in an order that rotates every step, timed on the wall clock and in
+    process CPU time, and the streaming bandwidth is measured again: the floor of a step is its bytes over that
+    bandwidth (`_cpu`: over the bandwidth in CPU time).
     Returns medians per position: seconds, tokens/s, bytes/s achieved and the ratio to the
     floor, with the compile seconds, the largest logit difference of each variant from the
-    model's step, and the compiled step taken apart by operation kind at the middle position.
+    model's full pass, and the model's step and the fastest one taken apart by operation kind
+    at the middle position.
     """
     cfg = model.cfg
     capacity = min(cfg.context_length, capacity or cfg.context_length)
     positions = [p for p in positions if p + steps + 2 <= capacity - 3]
-    runners = {"eager model": _ModelStep(model, capacity), "fused eager": FusedDecode(model, capacity)}
+    runners = {"eager model": _ModelStep(model, capacity),
+               **{n: _ModelStep(model, capacity, step) for n, step in (extra or {}).items()},
+               "fused eager": FusedDecode(model, capacity)}
     compile_s = {}
     if compile:
         runners["compiled"] = FusedDecode(model, capacity)
@@ -320,23 +329,38 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
     diffs = _logit_diffs(model, runners, positions[-1])
     times = {n: {p: [] for p in positions} for n in names}
     bandwidth = {p: [] for p in positions}
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     for r in range(rounds):
         for i, p in enumerate(positions):
-            for n in rotated(names, r + i):
-                times[n][p].extend(_timed_steps(runners[n], p, steps))
-            bandwidth[p].append(streamer.measure()["best"])
+            for n in names:
+                _start(runners[n], p)
+            for s in range(steps):  # step by step, in an order that rotates every step
+                for n in rotated(names, r + i + s):
+                    times[n][p].append(timed_cpu(lambda run=runners[n]: run.step(ids), model.device))
+            bandwidth[p].append(streamer.measure())
             if progress is not None:
                 progress.update(1)
-    weights, _ = step_bytes(model, 1)
+    weights, kv_per_key = step_bytes(model, 1)
     floor_bytes = [sum(step_bytes(model, p + 1 + (steps - 1) // 2)) for p in positions]
-    bw = [median(bandwidth[p]) for p in positions]
-    floor_s = [b / w for b, w in zip(floor_bytes, bw, strict=True)]
-    variants = {}
-    for n in names:
-        step_s = [median(times[n][p]) for p in positions]
-        variants[n] = {"step_s": step_s, "tokens_per_s": [1 / s for s in step_s],
-                       "bytes_per_s": [b / s for b, s in zip(floor_bytes, step_s, strict=True)],
-                       "over_floor": [s / f for s, f in zip(step_s, floor_s, strict=True)]}
+    out = {"preset": name, "device": model.device.type, "dtype": str(model.dtype).removeprefix("torch."),
+           "config": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
+                      "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "norm": cfg.norm, "mlp": cfg.mlp},
+           "capacity": capacity, "positions": positions, "steps": steps, "rounds": rounds,
+           "weight_bytes": weights, "kv_bytes_per_key": kv_per_key, "floor_bytes": floor_bytes,
+           "compile_s": compile_s, "max_logit_diff": diffs, "variants": {n: {} for n in names}}
+    for i, clock in ((0, ""), (1, "_cpu")):  # wall clock, then CPU time
+        bw = [median([b["best" + clock] for b in bandwidth[p]]) for p in positions]
+        floor_s = [b / w for b, w in zip(floor_bytes, bw, strict=True)]
+        out.update({f"bandwidth{clock}_bytes_per_s": bw, f"floor{clock}_s": floor_s})
+        for n in names:
+            step_s = [median([t[i] for t in times[n][p]]) for p in positions]
+            out["variants"][n].update({f"step{clock}_s": step_s,
+                                       f"over_floor{clock}": [s / f for s, f in zip(step_s, floor_s, strict=True)]})
+    for v in out["variants"].values():
+        v.update(tokens_per_s=[1 / s for s in v["step_s"]],
+                 bytes_per_s=[b / s for b, s in zip(floor_bytes, v["step_s"], strict=True)])
+    out["speedup"] = {n: [e / s for e, s in zip(out["variants"]["eager model"]["step_s"], v["step_s"], strict=True)]
+                      for n, v in out["variants"].items()}
     middle = positions[len(positions) // 2]
     parts = {n: profile_step(runners[n], middle) for n in ("eager model", fastest_variant(names))}
     _, kv = step_bytes(model, middle + 1)
@@ -344,14 +368,8 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
         part["bytes"] = {"products with weights": weights, "attention": kv}
         part["bytes_per_s"] = {k: part["bytes"][k] / s for k, s in part["s_per_step"].items()
                                if k in part["bytes"] and s > 0}
-    return {"preset": name, "device": model.device.type, "dtype": str(model.dtype).removeprefix("torch."),
-            "config": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
-                       "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "norm": cfg.norm, "mlp": cfg.mlp},
-            "capacity": capacity, "positions": positions, "steps": steps, "rounds": rounds,
-            "weight_bytes": weights, "floor_bytes": floor_bytes, "bandwidth_bytes_per_s": bw, "floor_s": floor_s,
-            "compile_s": compile_s, "variants": variants, "max_logit_diff": diffs, "operations": parts,
-            "speedup": {n: [e / s for e, s in zip(variants["eager model"]["step_s"], variants[n]["step_s"],
-                                                    strict=True)] for n in names}}
+    out["operations"] = parts
+    return out
 
 
 def _history(model: GPT, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,10 +390,11 @@ def _off(runner, ids: torch.Tensor, ref: torch.Tensor, prompt: int) -> float:
 
 @torch.inference_mode()
 def _logit_diffs(model: GPT, runners: dict, position: int, steps: int = 3) -> dict:
-    """The largest |logit difference| of each variant from the course model's full pass, over `steps` steps from
-    `position` on one cached history (float32 here: the exact comparison is `float64_check`)."""
+    """The largest |logit difference| of each variant (the model's own step too) from the course model's full
+    pass, over `steps` steps from `position` on one cached history (float32 here: the exact comparison is
+    `float64_check`)."""
     ids, ref = _history(model, position + steps, position)
-    return {n: _off(r, ids, ref, position) for n, r in runners.items() if n != "eager model"}
+    return {n: _off(r, ids, ref, position) for n, r in runners.items()}
 
 
 @torch.inference_mode()
@@ -405,22 +424,28 @@ def compiled_model(preset: str, device: torch.device) -> GPT:
     return random_model(preset, device)
 
 
-def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:
-    """The model's eager decode step, the fused step eager and compiled, and the floor, for every preset; compiled
-    with an empty compile cache (`fresh_compile_cache`)."""
+def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool, layouts: dict | None = None) -> None:
+    """The model's eager decode step, the fused step eager and compiled, and the floor, for every preset and the
+    floor's (`sizes.floor_preset`, where the model's step reduced to its tensor operations, the lean step with
+    `layouts` and the model with row-major weights run beside them); compiled with an empty compile cache
+    (`fresh_compile_cache`)."""
     streamer = Streamer(sizes.bandwidth_mbytes, device)
     runs = {}
-    n_rounds = sizes.compiled_rounds * len(sizes.compiled_positions) * len(sizes.compiled_presets)
+    presets = list(dict.fromkeys((*sizes.compiled_presets, sizes.floor_preset)))
     with fresh_compile_cache():
-        with bar(n_rounds, "compiled", progress) as shown:
-            for preset in sizes.compiled_presets:
+        with bar(sizes.compiled_rounds * len(sizes.compiled_positions) * len(presets), "decode steps",
+                 progress) as shown:
+            for preset in presets:
                 model = compiled_model(preset, device)
                 cap = min(model.cfg.context_length, sizes.compiled_capacity)
-                positions = tuple(int(f * cap) for f in sizes.compiled_positions)
+                room = cap - sizes.compiled_steps - 5  # the last position whose steps fit, with the untimed one
+                positions = tuple(max(1, int(f * room)) for f in sizes.compiled_positions)
+                extra = {"row-major weights": row_major_copy(model), "products only": LeanDecode(model, lean=False),
+                         "lean": LeanDecode(model, lean=True, layouts=layouts)} if preset == sizes.floor_preset else {}
                 runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
                                               streamer, capacity=cap, compile=sizes.compile,
-                                              concat=preset == sizes.floor_preset, progress=shown)
-                del model
+                                              concat=preset == sizes.floor_preset, extra=extra, progress=shown)
+                del model, extra
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             exact = float64_check(GPT(get_config("tiny")).double().eval(), compile=sizes.compile)
@@ -431,5 +456,6 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) ->
                   f", {kind} cache) equals the model's full pass at tiny in float64", run["max_logit_diff"], 1e-12,
                   "<=")
     for preset, run in runs.items():
-        res.check(f"fused_step_logits_{preset}", f"every fused decode step computes the model's logits at {preset} "
-                  "(float32)", max(run["max_logit_diff"].values()), 1e-3, "<=")
+        res.check(f"decode_step_logits_{preset}", f"every decode step the benchmark times at {preset} ("
+                  + ", ".join(run["max_logit_diff"]) + ") computes the model's full-pass logits (float32)",
+                  max(run["max_logit_diff"].values()), 1e-3, "<=")

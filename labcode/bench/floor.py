@@ -7,9 +7,9 @@ model's weights and arithmetic, with the options eager PyTorch offers (a fused Q
 weight, each weight stored in the layout its product streams fastest, `addmv` into
 preallocated outputs, K read as K @ q); with a `StepTimer` it reports the seconds of
 each kind of operation, which divided into its bytes give the bandwidth it achieves.
-Also here: the model's whole steps against the floor at several positions (`bench_floor`,
-with the step reduced to its tensor operations, `LeanDecode(lean=False)`), the window cache against
-the concatenating cache per step, and the cost of the cache's validation per step.
+Also here: the window cache against the concatenating cache per step, and the cost of the
+cache's validation per step. The whole steps (the model's, `LeanDecode` with and without its
+options) are timed against the floor in `labcode.bench.compiled`, beside the fused step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from labcode.bench.common import TIMED, Sizes, bar
-from labcode.bench.layout import row_major_copy
 from labcode.bench.roofline import fill_cache
 from labcode.bench.timing import Streamer, median, per_call, rotated, timed_cpu
 from labcode.caches import ConcatCache, WindowCache
@@ -166,18 +165,6 @@ class LeanDecode:
         scores = op("K read (scores)", torch.bmm, k_all.reshape(b * hkv, s, d), qg)  # (B*Hkv, S, G)
         weights = op("softmax", torch.softmax, scores, dim=1)
         return op("V read (weights @ V)", torch.bmm, weights.transpose(1, 2), v_all.reshape(b * hkv, s, d))
-
-
-@torch.inference_mode()
-def lean_diff(model: GPT, position: int, layouts: dict | None = None, lean: bool = True) -> float:
-    """Max |logit difference| between `LeanDecode(model, lean, layouts)` and the model on the same cached step
-    (float32 rounding)."""
-    caches = [WindowCache(model.cfg.n_layers, model.cfg.context_length) for _ in range(2)]
-    token = torch.tensor([3], device=model.device)
-    for cache in caches:
-        fill_cache(cache, model, 1, position)
-    lean = decode_step(LeanDecode(model, lean, layouts), token, caches[0])
-    return float((lean - decode_step(model, token, caches[1])).abs().max())
 
 
 def category_bytes(cfg, keys: int, batch: int = 1, element: int = 4) -> dict[str, int]:
@@ -389,59 +376,6 @@ def step_bytes(model: GPT, keys: int, batch: int = 1) -> tuple[int, int]:
 
 
 @torch.inference_mode()
-def bench_floor(model: GPT, positions: list[int], steps: int, rounds: int, streamer: Streamer,
-                variants: dict[str, GPT] | None = None, warmup: int = 2, progress=None) -> dict:
-    """Seconds per cached decode step at each position, next to (weights + K/V bytes) / measured bandwidth.
-
-    `variants` (other models of the same shape, e.g. another weight layout, or callables
-    such as `LeanDecode` that step a `WindowCache` like the model) are timed
-    interleaved with `model`, step by step. Bandwidth is measured by `streamer` between
-    positions, in the same process; the floor uses the median of all those measurements.
-    Everything is measured twice: in wall-clock time and in process CPU time (`_cpu`).
-    """
-    device = model.device
-    models = {"model": model, **(variants or {})}
-    token = torch.zeros(1, dtype=torch.long, device=device)
-    step_s = {name: defaultdict(list) for name in models}
-    bandwidth = [streamer.measure()]
-    for r in range(rounds):
-        for p in positions:
-            caches = {name: WindowCache(m.cfg.n_layers, m.cfg.context_length) for name, m in models.items()}
-            for name, m in models.items():
-                fill_cache(caches[name], m, 1, p)
-                for _ in range(warmup):
-                    decode_step(m, token, caches[name])
-            for s in range(steps):
-                for name in rotated(list(models), s + r):
-                    m, c = models[name], caches[name]
-                    step_s[name][p].append(timed_cpu(lambda m=m, c=c: decode_step(m, token, c), device))
-            del caches
-            bandwidth.append(streamer.measure())
-            if progress is not None:
-                progress.update(1)
-    bw = {key: median([b[key] for b in bandwidth]) for key in bandwidth[0]}
-    w_bytes, kv_per_key = step_bytes(model, 1)
-    # Steps at p + warmup .. p + warmup + steps - 1 were timed; their keys include the new one.
-    kv = [step_bytes(model, p + warmup + (steps + 1) // 2)[1] for p in positions]
-    out = {"positions": positions, "weight_bytes": w_bytes, "kv_bytes": kv, "bandwidth_bytes_per_s": bw,
-           "kv_bytes_per_key": kv_per_key,
-           "bandwidth_samples": [b["best"] for b in bandwidth], "variants": {}}
-    for i, suffix in ((0, ""), (1, "_cpu")):  # wall clock, then CPU time
-        floor = [(w_bytes + b) / bw["best" + suffix] for b in kv]
-        for name in models:
-            med = [median([t[i] for t in step_s[name][p]]) for p in positions]
-            res = {"step" + suffix + "_s": med, "ratio" + suffix: [t / f for t, f in zip(med, floor, strict=True)]}
-            (out if name == "model" else out["variants"].setdefault(name, {})).update(res)
-        out["floor" + suffix + "_s"] = floor
-    # The least-disturbed view: the fastest step at each position against the fastest bandwidth sample.
-    best_floor = [(w_bytes + b) / max(out["bandwidth_samples"]) for b in kv]
-    fastest = [min(t[0] for t in step_s["model"][p]) for p in positions]
-    out.update(step_min_s=fastest, floor_best_s=best_floor,
-               ratio_best=[t / f for t, f in zip(fastest, best_floor, strict=True)])
-    return out
-
-
-@torch.inference_mode()
 def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
     """Where a cached decode step's time goes: self time per aten op (per weight shape for products), largest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -466,8 +400,9 @@ def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
     return sorted((r for r in rows.values() if r["self_s_per_step"] > 0), key=lambda r: -r["self_s_per_step"])
 
 
-def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: bool) -> None:
-    """Decode against the bandwidth floor: whole steps, operation by operation, and window against concat."""
+def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: bool) -> dict:
+    """Decode against the bandwidth floor operation by operation, and window against concat; return the layout
+    each weight shape's product streams fastest in (the lean step's, timed whole in `compiled`)."""
     streamer = Streamer(sizes.bandwidth_mbytes, device)
     bw = streamer.measure()
     shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n})
@@ -476,15 +411,6 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: b
     products = product_variants(sorted(set(shapes) | fused), device, min_mbytes=sizes.bandwidth_mbytes // 2)
     layouts = {tuple(r["shape"]): r["best_addmv_layout"] for r in products}
     lean = LeanDecode(model, lean=True, layouts=layouts)
-    with bar(sizes.floor_rounds * len(sizes.floor_positions), "bandwidth floor", progress) as shown:
-        variants = {"row-major weights": row_major_copy(model), "products only": LeanDecode(model, lean=False),
-                    "lean": lean}
-        floor = bench_floor(model, list(sizes.floor_positions), sizes.floor_steps, sizes.floor_rounds, streamer,
-                            variants=variants, progress=shown)
-    floor["preset"], floor["device"] = sizes.floor_preset, device.type
-    floor["products_only_max_logit_diff"] = lean_diff(model, sizes.floor_positions[-1], lean=False)
-    floor["lean_max_logit_diff"] = lean_diff(model, sizes.floor_positions[-1], layouts)
-    res.value("floor", floor, TIMED)
     bandwidth = {"wall": bw["best"], "cpu": bw["best_cpu"]}
     cfg = model.cfg
     res.value("floor_ops", {
@@ -506,3 +432,4 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: b
                                                              progress=shown), TIMED)
     if sizes.profile_steps:
         res.value("profile", profile_decode(model, sizes.profile_position, sizes.profile_steps), TIMED)
+    return layouts

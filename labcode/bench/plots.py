@@ -307,14 +307,15 @@ def plot_window_vs_concat(values: dict) -> Figure:
 
 
 def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
-    """Decode step time over the bandwidth floor against the position: the model, the lean step, products only."""
-    res = values["floor"]
+    """Decode step time over the bandwidth floor against the position at the floor's preset: the model, its step
+    reduced to the tensor operations, the lean step, and the compiled step where the record has it."""
+    res = values["compiled"]["runs"][values["floor_ops"]["preset"]]
     fig, ax = figure(height=3.8)
-    ax.plot(res["positions"], res["ratio"], "o-", color=SERIES[0], label="the model")
-    for (name, label), color in zip((("products only", "its tensor operations only"), ("lean", "lean step")),
-                                    SERIES[2:], strict=False):
-        if name in res.get("variants", {}):
-            ax.plot(res["positions"], res["variants"][name]["ratio"], "s-", color=color, label=label)
+    shown = (("eager model", "the model"), ("products only", "its tensor operations only"), ("lean", "lean step"),
+             ("compiled", "compiled step"))
+    for (name, label), color, marker in zip(shown, SERIES[:1] + SERIES[2:], "osd^", strict=False):  # 1: the target
+        if name in res["variants"]:
+            ax.plot(res["positions"], res["variants"][name]["over_floor"], marker + "-", color=color, label=label)
     ax.axhline(target, color=TARGET, ls="--", lw=1.2, label=f"target {target}x")
     ax.axhline(1.0, color=INK, lw=1)
     ax.set(xlabel="position of the new token", ylabel="step time / floor", ylim=(0.9, None))

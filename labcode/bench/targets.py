@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from labcode.bench.compiled import fastest_variant
 from labcode.bench.floor import CATEGORIES
 from labcode.bench.roofline import TOLERANCE, worst_factor
+from labcode.bench.timing import median
 
 COMPARE = {"<=": lambda m, t: m <= t, ">=": lambda m, t: m >= t, ">": lambda m, t: m > t}
 COMPILED_PRESETS = ("gpt2-124m", "smollm2-135m")  # where the compiled step is held to its targets
@@ -81,14 +82,16 @@ def streams(ops: dict, clock: str = "") -> str:
 
 
 def _floor(values: dict, target: float, step: str = "model", clock: str = "") -> list[dict]:
-    """The floor benchmark's worst ratio for the model's step (or the lean one), and its operations."""
-    floor, ops = values["floor"], values["floor_ops"][step]
-    if clock and floor.get("device", "cpu") != "cpu":
+    """The worst ratio to the floor of the model's whole step (or the lean one) at the floor's preset, and what
+    its operations stream at."""
+    preset, ops = values["floor_ops"]["preset"], values["floor_ops"][step]
+    run = values["compiled"]["runs"][preset]
+    if clock and run["device"] != "cpu":
         return []  # process CPU time says nothing of a GPU's work
-    ratio = floor["ratio" + clock] if step == "model" else floor["variants"]["lean"]["ratio"]
-    return [{"preset": floor["preset"], "worst": max(ratio), "position": ops["position"],
-             "streams": streams(ops, clock), "products_only": max(floor["variants"]["products only"]["ratio"]),
-             "lean": max(floor["variants"]["lean"]["ratio"])}]
+    worst = {n: max(v["over_floor" + clock]) for n, v in run["variants"].items()}
+    return [{"preset": preset, "worst": worst["eager model" if step == "model" else "lean"],
+             "position": ops["position"], "streams": streams(ops, clock), "products_only": worst["products only"],
+             "lean": worst["lean"]}]
 
 
 def _window(values: dict, target: float) -> list[dict]:
@@ -96,7 +99,7 @@ def _window(values: dict, target: float) -> list[dict]:
     wc = values["window_vs_concat"]
     rows = list(zip(wc["keys"], wc["cat_over_window"], wc["window_q"], wc["cat_q"], strict=True))
     slower = [f"{k} keys ({r:.3f})" for k, r, q_w, q_c in rows if r < 1 and q_w[0] <= q_c[1]]
-    return [{"preset": values["floor"]["preset"], "keys": wc["keys"][-1], "worst": min(wc["cat_over_window"]),
+    return [{"preset": values["floor_ops"]["preset"], "keys": wc["keys"][-1], "worst": min(wc["cat_over_window"]),
              "pulls_ahead_at": next((k for k, r, q_w, q_c in rows if r > 1 and q_w[1] < q_c[0]), None),
              "why": "where the window is slower, the two steps' interquartile ranges overlap at " + ", ".join(slower)
              + ": equal within the noise" if slower else "the window step is slower beyond the spread of the "
@@ -163,16 +166,17 @@ def _batch(values: dict, target: float) -> list[dict]:
                                 f"beside it {beside(p)})" for p in outside)}]
 
 
-def speedup_at_floor(run: dict, floor: dict) -> float:
+def speedup_at_floor(run: dict, steps: dict) -> float:
     """No-cache time over the time a cached generation would take if every decode step ran exactly at the floor.
 
     The cached prompt pass keeps its measured time; decode step i reads all weights and
-    the keys of P + i positions at the measured bandwidth. An upper bound on what any
-    cache can show on this machine in this precision.
+    the keys of P + i positions at the bandwidth measured beside the whole steps of the same
+    preset (`steps`, a run of `compiled.bench_compiled`). An upper bound on what any cache
+    can show on this machine in this precision.
     """
-    bw, per_key = floor["bandwidth_bytes_per_s"]["best"], floor["kv_bytes_per_key"]
-    steps = [(floor["weight_bytes"] + per_key * p) / bw for p in run["positions"][1:]]  # p keys, the new one included
-    return _ratio(run["total_s"]["nocache"], run["per_step_s"]["window"][0] + sum(steps))
+    bw, per_key = median(steps["bandwidth_bytes_per_s"]), steps["kv_bytes_per_key"]
+    floors = [(steps["weight_bytes"] + per_key * p) / bw for p in run["positions"][1:]]  # p keys, the new one included
+    return _ratio(run["total_s"]["nocache"], run["per_step_s"]["window"][0] + sum(floors))
 
 
 def _speedup(values: dict, target: float) -> list[dict]:
@@ -185,8 +189,9 @@ def _speedup(values: dict, target: float) -> list[dict]:
              "predicted_speedup": g["predicted_speedup"], "flop_count_speedup": run["predicted_speedup"],
              "nocache_off": g["measured_nocache_s"] / g["predicted_nocache_s"],
              "cached_off": g["measured_cached_s"] / g["predicted_cached_s"]}
-        if values["floor"]["preset"] == preset:  # the largest speedup a cache could show if decode ran at the floor
-            f["speedup_at_floor"] = speedup_at_floor(run, values["floor"])
+        steps = values["compiled"]["runs"].get(preset)
+        if steps:  # the largest speedup a cache could show if decode ran at the floor
+            f["speedup_at_floor"] = speedup_at_floor(run, steps)
         out.append(f)
     return out
 
