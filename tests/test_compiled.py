@@ -192,3 +192,13 @@ def test_compile_times_are_recorded_from_an_empty_compile_cache(tmp_path, monkey
     with fresh_compile_cache():
         pass
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_the_benchmark_times_the_real_model_with_its_head_stored_by_column():
+    """As every model the benchmark times: the large wide weights (the tied head) by column, the values unchanged."""
+    from labcode.bench.compiled import compiled_model
+    from labcode.weights.smollm2 import load_smollm2
+
+    head = compiled_model("smollm2-135m", torch.device("cpu")).tok_emb.weight
+    assert head.stride() == (1, head.shape[0])
+    assert torch.equal(head, load_smollm2(torch.float32, "cpu")[0].tok_emb.weight)

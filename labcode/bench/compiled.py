@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from labcode.bench.common import TIMED, Sizes, bar, random_model
 from labcode.bench.floor import LeanDecode, step_bytes
-from labcode.bench.layout import row_major_copy
+from labcode.bench.layout import row_major_copy, store_wide_weights_by_column
 from labcode.bench.roofline import fill_cache
 from labcode.bench.timing import Streamer, median, rotated, timed_cpu
 from labcode.caches import WindowCache
@@ -416,11 +416,13 @@ def fastest_variant(names) -> str:
 
 
 def compiled_model(preset: str, device: torch.device) -> GPT:
-    """The model a compiled-step benchmark runs: the real model (float32) for "smollm2-135m", else `random_model`."""
+    """The model a compiled-step benchmark runs: the real model (float32) for "smollm2-135m", else `random_model`;
+    either way with its large wide weights stored by column, as every model the benchmark times
+    (`labcode.bench.layout`)."""
     if preset == "smollm2-135m":
         from labcode.weights.smollm2 import load_smollm2
 
-        return load_smollm2(torch.float32, device)[0].eval()
+        return store_wide_weights_by_column(load_smollm2(torch.float32, device)[0].eval())
     return random_model(preset, device)
 
 
