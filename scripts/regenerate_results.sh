@@ -28,11 +28,11 @@
 # - qa/results/bench.json is not written by a QA notebook: it is the benchmark record of
 #   `python -m labcode.bench --full`, with timings of the machine it ran on. Timings are recorded,
 #   never compared, so it is regenerated only when asked (--bench) and the tests do not replay it.
-# - qa/results/llamacpp_build.json is the same kind of record: `python -m labcode.bench.llamacpp`
+# - qa/results/llamacpp_build.json is the same kind of record: `python -m labcode.engines.llamacpp`
 #   downloads llama-cpp-python's source archive and times the compilation of llama.cpp, which chapter 9
 #   weighs against the test command's budget. It needs the package registry and is regenerated only
 #   when asked (--llamacpp).
-# - qa/results/llamacpp_compare.json is the same kind of record: `python -m labcode.bench.llamacpp_compare`
+# - qa/results/llamacpp_compare.json is the same kind of record: `python -m labcode.engines.llamacpp_compare`
 #   runs llama.cpp (the wheel the build just kept, installed into a temporary folder outside .venv and
 #   given with --site) on the course's real model beside the course's model and caches; only with --llamacpp.
 # - qa/results/*_long.json are long records: a QA notebook run on texts of a thousand tokens and more,
@@ -103,10 +103,10 @@ if [ "$llamacpp" = 1 ]; then
   echo "regenerating qa/results/llamacpp_build.json (downloads and compiles llama.cpp, minutes of every core)"
   lcpp_tmp="$(mktemp -d)"
   trap 'rm -rf "$lcpp_tmp"' EXIT
-  .venv/bin/python -m labcode.bench.llamacpp --out qa/results/llamacpp_build.json --keep-wheel "$lcpp_tmp/wheel"
+  .venv/bin/python -m labcode.engines.llamacpp --out qa/results/llamacpp_build.json --keep-wheel "$lcpp_tmp/wheel"
   echo "regenerating qa/results/llamacpp_compare.json (llama.cpp on the real model, against the course's caches)"
   .venv/bin/pip install --quiet --no-deps --target "$lcpp_tmp/site" "$lcpp_tmp"/wheel/llama_cpp_python-*.whl
-  .venv/bin/python -m labcode.bench.llamacpp_compare --out qa/results/llamacpp_compare.json --site "$lcpp_tmp/site"
+  .venv/bin/python -m labcode.engines.llamacpp_compare --out qa/results/llamacpp_compare.json --site "$lcpp_tmp/site"
 fi
 
 # Committed outputs: every QA notebook with its defaults (writing only under qa/_runs/), then the

@@ -1,4 +1,4 @@
-"""The llama.cpp build benchmark (`labcode.bench.llamacpp`), without building anything: pip is faked.
+"""The llama.cpp build benchmark (`labcode.engines.llamacpp`), without building anything: pip is faked.
 
 The real measurement takes minutes of every core and is recorded in qa/results/llamacpp_build.json.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from labcode.bench import llamacpp
+from labcode.engines import llamacpp
 from labcode.results import schema_errors
 
 

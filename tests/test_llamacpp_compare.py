@@ -1,4 +1,4 @@
-"""llama.cpp beside the course's real model (`labcode.bench.llamacpp_compare`), without llama.cpp.
+"""llama.cpp beside the course's real model (`labcode.engines.llamacpp_compare`), without llama.cpp.
 
 The measurement needs llama-cpp-python, which the course does not install; it is recorded in
 qa/results/llamacpp_compare.json. Here: the pure parts (agreement measures, the positions of each
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labcode.bench import llamacpp_compare as lc
+from labcode.engines import llamacpp_compare as lc
 from labcode.engines.cells import CellsCache
 from labcode.kshift import context_shift
 from labcode.results import schema_errors

@@ -1,6 +1,9 @@
 """How serving engines manage the cache, in small verified versions (chapter 9).
 
 Each policy is a `labcode.caches.base.KVCache`, so the one GPT runs with it unchanged.
+Beside them, run on request only (never imported here): `llamacpp` times the build of
+llama.cpp, and `llamacpp_compare` runs llama.cpp on the real model against the course's
+model and caches (chapter 9's second page); each writes its own record.
 """
 
 from labcode.engines.batch import ScatteredCache, run_ragged, scattered_mask

@@ -16,11 +16,11 @@ same token ids of a standard-library module's documentation this module records
 4. the context shift: `seq_rm` of `n_discard` positions after `n_keep`, then `seq_add` moving the
    later ones down, against `labcode.kshift.context_shift`, for each `n_keep`.
 
-llama-cpp-python is no dependency of the course: it compiles llama.cpp (`labcode.bench.llamacpp`
+llama-cpp-python is no dependency of the course: it compiles llama.cpp (`labcode.engines.llamacpp`
 times that). Install a wheel of it into any folder (`pip install --no-deps --target DIR <wheel>`),
 then run
 
-    python -m labcode.bench.llamacpp_compare --out qa/results/llamacpp_compare.json --site DIR
+    python -m labcode.engines.llamacpp_compare --out qa/results/llamacpp_compare.json --site DIR
 
 Without `--site` it uses the installed `llama_cpp`. Only the binding's ctypes layer
 (`llama_cpp.llama_cpp`) is loaded, so the high-level API's own dependencies are not needed.
@@ -43,10 +43,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from labcode.bench.llamacpp import VERSION, write_record
 from labcode.checks import fail, is_int
 from labcode.corpus import stdlib_text
 from labcode.engines.cells import CellsCache
+from labcode.engines.llamacpp import VERSION, write_record
 from labcode.kshift import context_shift
 from labcode.results import QAResult, close, exact, recorded, rounding_rule
 from labcode.weights.smollm2 import load_smollm2, package_file
@@ -462,7 +462,7 @@ def _checks(qa: QAResult, m: dict, params: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labcode.bench.llamacpp_compare", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m labcode.engines.llamacpp_compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="result file, e.g. qa/results/llamacpp_compare.json")
     parser.add_argument("--site", metavar="DIR", default=None,

@@ -7,7 +7,7 @@ the build used, the cores and the CPU. The course's rule: a fresh clone's test c
 within `TEST_COMMAND_BUDGET_S` on two cores; chapter 9 quotes this record to decide whether
 llama.cpp fits. Run it with
 
-    python -m labcode.bench.llamacpp --out qa/results/llamacpp_build.json
+    python -m labcode.engines.llamacpp --out qa/results/llamacpp_build.json
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def record(measured: dict, version: str = VERSION) -> QAResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labcode.bench.llamacpp", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m labcode.engines.llamacpp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="result file, e.g. qa/results/llamacpp_build.json")
     parser.add_argument("--version", default=VERSION, help="llama-cpp-python version (default: %(default)s)")
