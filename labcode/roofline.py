@@ -190,6 +190,11 @@ class Machine:
     memory-bound, and `kv_bandwidth_bytes_per_s` the rate at which decode attention moved
     its bytes (its keys and values, and the queries, scores and outputs beside them);
     `stream_for` reads them. Empty or None: the `bandwidth`.
+
+    `products_flops_per_s`, where set, is the rate products with weights reached beside one
+    call, with that call's rows, through the model's shapes of weight where they were
+    compute-bound: it holds that call's products instead of `peak_for` (a rate measured
+    on the same products, so the peak, measured once on another, does not bound it).
     """
 
     peak_flops_per_s: float  # a large matrix product
@@ -199,6 +204,7 @@ class Machine:
     row_ceilings: tuple[tuple[int, float], ...] = ()
     stream_ceilings: tuple[tuple[int, int, int, float], ...] = ()
     kv_bandwidth_bytes_per_s: float | None = None
+    products_flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_per_s", "bandwidth_bytes_per_s"):
@@ -220,9 +226,9 @@ class Machine:
             raise ValueError("Machine.stream_ceilings: expected (out, in, rows, bytes/s) with positive ints, each "
                              f"(out, in, rows) once, and positive rates, got {self.stream_ceilings!r}")
         object.__setattr__(self, "stream_ceilings", tuple(sorted(streams)))
-        if self.kv_bandwidth_bytes_per_s is not None and not self.kv_bandwidth_bytes_per_s > 0:
-            raise ValueError("Machine.kv_bandwidth_bytes_per_s: expected None or a positive number, got "
-                             f"{self.kv_bandwidth_bytes_per_s!r}")
+        for name in ("kv_bandwidth_bytes_per_s", "products_flops_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"Machine.{name}: expected None or a positive number, got {getattr(self, name)!r}")
 
     @property
     def balance(self) -> float:
@@ -294,7 +300,8 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     sum of max(FLOPs / peak, bytes / bandwidth) over `StepCost.parts`. That is never
     below max(t_math, t_memory), and equals it when every part has the same limit (any
     decode step at batch 1). The products with weights compute at most at
-    `machine.peak_for(cost.rows)`, attention at the peak. On the memory side each shape of
+    `machine.products_flops_per_s` where the machine has it, else at
+    `machine.peak_for(cost.rows)`; attention at the peak. On the memory side each shape of
     weight streams at `machine.stream_for(out, in, rows)`, and a decode step's keys and
     values (one query per sequence), with the queries, scores and outputs that attention moves
     beside them, at `machine.kv_bandwidth_bytes_per_s` where the machine has it (never above
@@ -303,7 +310,7 @@ def predict(cost: StepCost, machine: Machine, ops: int = 0) -> Prediction:
     """
     _count("ops", ops, 0)
     peak, bw = machine.peak_flops_per_s, machine.bandwidth_bytes_per_s
-    peaks = {"products with weights": machine.peak_for(cost.rows)}
+    peaks = {"products with weights": machine.products_flops_per_s or machine.peak_for(cost.rows)}
     parts = cost.parts()
     memory = {k: n / bw for k, (_, n) in parts.items()}
     for o, i, n in cost.shape_bytes:

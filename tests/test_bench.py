@@ -119,19 +119,28 @@ def test_targets_are_reported_not_enforced(bench_run):
 def test_batch_target_names_each_step_outside_the_tolerance():
     from labcode.bench.targets import targets
 
-    run = {"s_cached": 128, "batch": [1, 4], "ratio": [1.2, 0.6], "ratio_cpu": [1.1, 0.7],
-           "ratio_plain": [1.3, 0.4], "overhead_s_per_op": [4e-6, 5e-6],
-           "ceilings": [{"768x768": 1.5e10}, {"768x768": 8e9, "3072x768": 9.5e9, "K/V": 1.7e10}],
-           "predicted": {"bound": ["memory", "memory"]}}
+    run = {"s_cached": 128, "batch": [1, 4, 16], "ratio": [1.2, 0.6, 1.6], "ratio_cpu": [1.1, 0.7, 1.3],
+           "ratio_plain": [1.3, 0.4, 1.6], "overhead_s_per_op": [4e-6, 5e-6, 8e-6],
+           "ceilings": [{"768x768": 1.5e10}, {"768x768": 8e9, "3072x768": 9.5e9, "K/V": 1.7e10}, {}],
+           "products_flops": [None, None, None], "step_s": [1e-3, 2e-3, 3e-3], "ops_by_batch": [100, 100, 100],
+           "predicted": {"bound": ["memory", "memory", "overhead"], "t_parts": [5e-4, 1e-3, 1e-3]}}
     [t] = targets({"batch": {"gpt2-124m": {"runs": [run]}}}, only=("batch_prediction",))
     assert t["measured"] == pytest.approx(1 / 0.6) and t["one_bandwidth"] == pytest.approx(2.5)
-    assert t["measured_cpu"] == pytest.approx(1 / 0.7) and (t["points"], t["outside"]) == (2, 1)
+    assert t["measured_cpu"] == pytest.approx(1 / 0.7) and (t["points"], t["outside"]) == (3, 2)
     assert not t["met"] and t["claim"].startswith("every decode step of the batch sweep (gpt2-124m) within 1.5x")
+    # an overhead-bound step: what its operations took each beyond its bytes and FLOPs, (3 - 1) ms / 100
     assert t["reason"] == ("gpt2-124m B = 4 at S = 128: 0.6x (memory-bound; beside it weights 8-9.5 GB/s, "
-                           "K/V 17 GB/s, 5 µs per operation)")
-    run["ratio"][1] = 0.9
+                           "K/V 17 GB/s, 5 µs per operation); gpt2-124m B = 16 at S = 128: 1.6x (overhead-bound; "
+                           "beside it weights at the bandwidth; its 100 operations took 20 µs each beyond the "
+                           "predicted time of its bytes and FLOPs, against 8 µs per operation measured beside it)")
+    run["ratio"][1:] = [0.9, 1.4]
+    run["products_flops"][2], run["predicted"]["bound"][2] = 4e10, "compute"
     [t] = targets({"batch": {"gpt2-124m": {"runs": [run]}}}, only=("batch_prediction",))
     assert t["met"] and "reason" not in t and t["outside"] == 0
+    run["ratio"][2] = 0.5
+    [t] = targets({"batch": {"gpt2-124m": {"runs": [run]}}}, only=("batch_prediction",))
+    assert t["reason"] == ("gpt2-124m B = 16 at S = 128: 0.5x (compute-bound; beside it compute-bound products "
+                           "40 GFLOP/s, 8 µs per operation)")
 
 
 def test_a_target_is_a_template_over_facts_judged_by_its_comparison():
@@ -154,12 +163,13 @@ def test_speedup_at_floor_adds_one_floor_per_decode_step():
 
 
 def test_every_figure_is_written(bench_run):
+    from labcode.bench.plots import PLOTS
+
     _, plots = bench_run
-    assert [p.name for p in plots] == sorted(
-        f"bench_{n}.png" for n in ("append", "append_attention", "generation", "speedup", "roofline",
-                                   "roofline_fit", "rows", "batch", "stream_ceilings", "critical_batch", "concurrency",
-                                   "floor_ops", "floor_ratio", "window_vs_concat", "overhead_crossover",
-                                   "latency_throughput", "append_medians", "compiled"))
+    assert set(PLOTS) == {"roofline", "roofline_fit", "rows", "batch", "stream_ceilings", "critical_batch",
+                          "concurrency", "floor_ops", "floor_ratio", "window_vs_concat", "overhead_crossover",
+                          "latency_throughput", "append_medians", "compiled"}  # the book's figures, each drawn once
+    assert [p.name for p in plots] == sorted(f"bench_{n}.png" for n in PLOTS)
     assert all(p.stat().st_size > 5000 for p in plots)
 
 
@@ -170,10 +180,8 @@ def test_chapter_figures_fit_the_column_and_read_in_dark_mode(bench_run):
     from labcode.plotting import COLUMN_INCHES, MIN_TEXT_PT, drawn_texts
 
     values = bench_run[0]["values"]
-    for name in ("roofline", "roofline_fit", "rows", "batch", "stream_ceilings", "critical_batch", "concurrency",
-                 "floor_ops", "floor_ratio", "window_vs_concat", "overhead_crossover", "latency_throughput",
-                 "append_medians", "compiled"):
-        fig = PLOTS[name](values)
+    for name, draw in PLOTS.items():
+        fig = draw(values)
         try:
             fig.canvas.draw()  # tick labels get their text when drawn
             assert fig.get_figwidth() <= COLUMN_INCHES, name
@@ -332,12 +340,13 @@ def _check_prediction(values: dict, cfg, p: dict) -> None:
         plain = machine_at(values["roofline_machine"], p, clock)
         assert plain.overhead_s_per_op == p["overhead" + suffix + "_s_per_op"] > 0  # measured beside the point
         assert p["plain" + suffix]["seconds"] == predict(cost, plain, p["ops"]).seconds
-        with_ceilings = stream_machine(plain, p["ceilings" + suffix], p["batch"])
+        with_ceilings = stream_machine(plain, p["ceilings" + suffix], p["batch"] * p["t_new"],
+                                       p["products_flops" + suffix])
         assert p["predicted" + suffix]["seconds"] == predict(cost, with_ceilings, p["ops"]).seconds
         assert p["ratio" + suffix] == p["step" + suffix + "_s"] / p["predicted" + suffix]["seconds"]
         assert p["ratio_plain" + suffix] == p["step" + suffix + "_s"] / p["plain" + suffix]["seconds"]
-        # a ceiling only ever slows a prediction down: it is never above the bandwidth
-        assert p["predicted" + suffix]["seconds"] >= p["plain" + suffix]["seconds"]
+        if p["products_flops" + suffix] is None:  # a memory-side ceiling only ever slows a prediction down
+            assert p["predicted" + suffix]["seconds"] >= p["plain" + suffix]["seconds"]
 
 
 def test_every_roofline_point_is_predicted_from_its_counted_cost(bench_run):
@@ -352,8 +361,8 @@ def test_every_roofline_point_is_predicted_from_its_counted_cost(bench_run):
             cost = cost_of(cfg, p["kind"], p["t_new"], p["s_mid"], p["batch"])
             assert p["flops"] == cost.flops and p["bytes"] == cost.bytes and p["ops"] > 0
             _check_prediction(values, cfg, p)
-            if p["kind"] != "decode":  # the memory-side ceilings are measured beside decode steps only
-                assert p["ceilings"] == p["ceilings_cpu"] == {}
+            if p["kind"] != "decode":  # keys and values are read beside decode steps only
+                assert "K/V" not in p["ceilings"] and "K/V" not in p["ceilings_cpu"]
     assert kinds == {"prefill", "decode", "uncached"}
     summary = values["roofline_summary"]
     assert set(summary["crossover"]) == set(values["roofline"]) == set(SIZES["test"].roofline_presets)
@@ -366,8 +375,10 @@ def test_stream_probe_streams_each_weight_shape_and_the_decode_kv_read():
     cfg = get_config("tiny").with_(vocab_size=20000)  # a head of 1.28M elements: wide enough to be stored by column
     assert list(StreamProbe(cfg, torch.device("cpu"), min_mbytes=1).weights) == [(20000, 64)]  # the others: 16 KB
     probe = StreamProbe(cfg, torch.device("cpu"), min_mbytes=1, min_matrix_kbytes=0)
-    nbytes, ops, one_round = probe.at(2, 9)
+    stream = probe.at(2, 9)
+    nbytes, ops, one_round = stream.nbytes, stream.ops, stream.one_round
     assert set(nbytes) == set(ops) == {shape_name(o, i) for o, i, _ in weight_shapes(cfg)} | {"K/V"}
+    assert stream.flops == stream.call_flops == {}  # with no balance given, every product is memory-bound
     for (o, i), ws in probe.weights.items():
         assert nbytes[shape_name(o, i)] == 4 * o * i * len(ws) >= 2**20  # enough copies to leave the caches
         assert all(w.shape == (o, i) and w.stride() == ((1, o) if (o, i) == (20000, 64) else (i, 1)) for w in ws)
@@ -376,9 +387,13 @@ def test_stream_probe_streams_each_weight_shape_and_the_decode_kv_read():
     assert all(n > 0 for n in ops.values())
     timed_calls = one_round()
     assert set(timed_calls) == set(nbytes) and all(len(v) == 1 and min(v[0]) >= 0 for v in timed_calls.values())
-    # with a balance this low every product is compute-bound: only the K/V read is memory-bound
-    assert set(probe.at(2, 9, balance=0.1)[0]) == {"K/V"}
-    assert "K/V" not in probe.at(1)[0]
+    # with a balance this low every product is compute-bound: only the K/V read is memory-bound; the products are
+    # still timed, by their FLOPs (the probe's, and the call's own through each shape: its weight)
+    bound = probe.at(2, 9, balance=0.1)
+    assert set(bound.nbytes) == {"K/V"} and set(bound.ops) == set(ops)
+    assert bound.flops == {shape_name(o, i): 2 * 2 * o * i * len(ws) for (o, i), ws in probe.weights.items()}
+    assert bound.call_flops == {shape_name(o, i): 2 * 2 * o * i * k for o, i, k in weight_shapes(cfg)}
+    assert "K/V" not in probe.at(1).nbytes
 
 
 def test_ceilings_leave_out_the_fixed_cost_and_parts_that_measured_only_dispatch():
@@ -397,6 +412,22 @@ def test_ceilings_leave_out_the_fixed_cost_and_parts_that_measured_only_dispatch
     machine = stream_machine(Machine(1e9, 1e8), {"16x16": 5e7, "K/V": 4e7}, 2)
     assert machine.stream_ceilings == ((16, 16, 2, 5e7),) and machine.kv_bandwidth_bytes_per_s == 4e7
     assert stream_machine(Machine(1e9, 1e8), {}, 1) == Machine(1e9, 1e8)
+    assert stream_machine(Machine(1e9, 1e8), {}, 1, 5e8).products_flops_per_s == 5e8
+
+
+def test_the_compute_ceiling_weights_each_shape_by_the_calls_flops():
+    from labcode.bench.roofline import StreamRound, compute_ceiling
+
+    # two compute-bound shapes: the probe did 1e6 FLOPs through each; the call does 3e6 through "a", 1e6 through
+    # "b"; each part dispatched 10 operations at 1e-5 s
+    stream = StreamRound({}, {"a": 10, "b": 10}, dict, {"a": 1e6, "b": 1e6}, {"a": 3e6, "b": 1e6})
+    seconds = {"a": (1.1e-3, 2.1e-3), "b": (2.1e-3, 2.1e-3)}  # less the fixed cost: 1e-3 s (1e9/s), 2e-3 s
+    assert compute_ceiling(stream, seconds, 1e-5) == pytest.approx(4e6 / (3e6 / 1e9 + 1e6 / 5e8))
+    assert compute_ceiling(stream, seconds, 1e-5, clock=1) == pytest.approx(5e8)
+    # a part whose fixed cost was more than half its time measured the dispatch: it is left out
+    assert compute_ceiling(stream, {"a": (1.1e-3, 0), "b": (3e-4, 0)}, 2e-5) == pytest.approx(1e6 / 9e-4)
+    assert compute_ceiling(stream, {"a": (3e-4, 0), "b": (3e-4, 0)}, 2e-5) is None
+    assert compute_ceiling(StreamRound({}, {}, dict), {}, 1e-5) is None  # nothing compute-bound
 
 
 def test_batch_sweep_holds_every_batch_with_its_prediction(bench_run):
@@ -411,7 +442,7 @@ def test_batch_sweep_holds_every_batch_with_its_prediction(bench_run):
                 point = {"kind": "decode", "t_new": 1, "s_mid": r["s_mid"], "batch": b, "ops": r["ops_by_batch"][i],
                          **{k: r[k][i] for k in ("step_s", "step_cpu_s", "overhead_s_per_op", "overhead_cpu_s_per_op",
                                                  "ceilings", "ceilings_cpu", "ratio", "ratio_cpu", "ratio_plain",
-                                                 "ratio_plain_cpu")},
+                                                 "ratio_plain_cpu", "products_flops", "products_flops_cpu")},
                          **{k: {"seconds": r[k]["step_s"][i]} for k in ("predicted", "predicted_cpu", "plain",
                                                                         "plain_cpu")}}
                 _check_prediction(values, get_config(preset), point)
@@ -529,3 +560,26 @@ def test_committed_record_targets_follow_from_its_values():
     recomputed = json.loads(json.dumps(targets(doc["values"])))
     assert [t["name"] for t in recomputed] == [t["name"] for t in doc["values"]["targets"]]
     assert same(recomputed, doc["values"]["targets"])
+
+
+def test_the_fixed_cost_is_measured_on_the_calls_own_model_shrunk_at_its_batch():
+    """The probe beside a decode step of B sequences steps the same model shrunk (its layers and heads) for as many
+    sequences: it dispatches exactly the operations the step does."""
+    from labcode.bench.roofline import count_ops, fill_cache, overhead_probe, shrunk_model
+    from labcode.caches import WindowCache
+    from labcode.generate import decode_step
+
+    cfg, cpu = get_config("tiny"), torch.device("cpu")
+    model = random_model("tiny", cpu)
+    for batch in (1, 3):
+        ops, probe = overhead_probe(cfg, cpu, steps=2, batch=batch)
+        with torch.inference_mode():
+            cache = WindowCache(cfg.n_layers, cfg.context_length)
+            fill_cache(cache, model, batch, 8)
+            token = torch.zeros(batch, dtype=torch.long)
+            decode_step(model, token, cache)
+            assert ops == count_ops(lambda t=token, c=cache: decode_step(model, t, c))
+            timed_calls = probe()
+        assert len(timed_calls) == 2 and all(w > 0 and c >= 0 for w, c in timed_calls)
+    small = shrunk_model(cfg, cpu).cfg
+    assert (small.n_layers, small.n_heads, small.head_dim) == (cfg.n_layers, cfg.n_heads, 4)

@@ -202,3 +202,24 @@ def test_the_benchmark_times_the_real_model_with_its_head_stored_by_column():
     head = compiled_model("smollm2-135m", torch.device("cpu")).tok_emb.weight
     assert head.stride() == (1, head.shape[0])
     assert torch.equal(head, load_smollm2(torch.float32, "cpu")[0].tok_emb.weight)
+
+
+def test_the_benchmark_times_the_layouts_side_by_side_where_asked():
+    """At the floor's preset every eager variant; at the `row_major_presets` the model with every weight row-major
+    beside the model as the benchmark stores it (the layout's share of a whole step); elsewhere neither."""
+    from labcode.bench import SIZES, compiled
+    from labcode.results import QAResult
+
+    sizes = replace(SIZES["test"], compiled_presets=("micro", "tiny"), row_major_presets=("micro",),
+                    floor_preset="tiny")
+    res = QAResult("bench", {}, machine_dependent=True)
+    compiled.record(res, sizes, torch.device("cpu"), progress=False)
+    runs = res.doc["values"]["compiled"]["runs"]
+    assert list(runs["micro"]["variants"]) == ["eager model", "row-major weights", "fused eager"]
+    assert list(runs["tiny"]["variants"]) == ["eager model", "row-major weights", "products only", "lean",
+                                              "fused eager"]
+    assert all(c["passed"] for c in res.doc["checks"] if c["name"].startswith("decode_step_logits_"))
+    sizes = replace(sizes, row_major_presets=())
+    res = QAResult("bench", {}, machine_dependent=True)
+    compiled.record(res, sizes, torch.device("cpu"), progress=False)
+    assert list(res.doc["values"]["compiled"]["runs"]["micro"]["variants"]) == ["eager model", "fused eager"]

@@ -7,6 +7,7 @@ C = 16, D = 8, V = 64); the comments show the arithmetic.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -184,6 +185,18 @@ def test_memory_bound_products_and_decode_kv_reads_are_held_to_their_stream_ceil
             Machine(1e12, 1e8, stream_ceilings=bad)
     with pytest.raises(ValueError, match="Machine.kv_bandwidth_bytes_per_s"):
         Machine(1e12, 1e8, kv_bandwidth_bytes_per_s=0.0)
+
+
+def test_products_measured_beside_a_call_hold_it_instead_of_the_soft_ridge():
+    cost = prefill_cost(MICRO, 8)
+    ridge = Machine(8e6, 1e12, row_ceilings=((4, 1e6), (64, 4e6)))
+    beside = replace(ridge, products_flops_per_s=2e7)  # faster than the peak: a rate of the same products
+    assert predict(cost, ridge).t_math == pytest.approx(cost.flops_linear / ridge.peak_for(8)
+                                                        + cost.flops_attention / 8e6)
+    assert predict(cost, beside).t_math == pytest.approx(cost.flops_linear / 2e7 + cost.flops_attention / 8e6)
+    assert predict(cost, beside).t_parts < predict(cost, ridge).t_parts
+    with pytest.raises(ValueError, match="Machine.products_flops_per_s"):
+        Machine(1e12, 1e8, products_flops_per_s=-1.0)
 
 
 def test_weight_shapes_are_every_product_with_weights():

@@ -20,7 +20,6 @@ from labcode.bench.roofline import (
     overhead_probe,
     time_point,
 )
-from labcode.config import get_config
 from labcode.model import GPT
 from labcode.results import QAResult
 from labcode.roofline import Machine, context_limit, critical_batch, weights_critical_batch
@@ -34,14 +33,15 @@ def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...],
     Each point is timed as `bench_roofline` times its decode points (`time_point`): rounds of
     `steps` steps from a fresh cache of B sequences holding S positions, until the timed
     steps add up to `min_s` seconds, `min_rounds` rounds at least. Between the rounds, the
-    fixed cost per operation (`overhead_probe`) and the memory-side ceilings (`StreamProbe` with B rows and the
-    step's keys and values) are measured, and the point is predicted with them
-    (`predicted`) and with one bandwidth and the same fixed cost (`plain`). Also the two
+    fixed cost per operation (`overhead_probe`: the same model shrunk, stepping B sequences)
+    and the ceilings (`StreamProbe` with B rows and the step's keys and values: memory-side,
+    and compute-side where B rows are compute-bound) are measured, and the point is
+    predicted with them (`predicted`) and with one bandwidth and the same fixed cost (`plain`). Also the two
     batch sizes the roofline names at that S: `critical_batch` (the whole step
     compute-bound) and `weights_critical_batch` (the products with weights alone).
     """
     cfg = model.cfg
-    probe_ops, probe = overhead_probe(get_config(machine["overhead"]["preset"]), model.device, steps=overhead_steps)
+    probes = {b: overhead_probe(cfg, model.device, steps=overhead_steps, batch=b) for b in batches}
     streams = StreamProbe(cfg, model.device, stream_mbytes)
     balance = machine_of(machine).balance
     runs = []
@@ -49,6 +49,7 @@ def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...],
         points = []
         for b in batches:
             stream = streams.at(b, middle_keys(s, steps), balance)
+            probe_ops, probe = probes[b]
             pt = time_point(model, "decode", 1, s, batch=b, repeats=steps, min_s=min_s, min_rounds=min_rounds,
                             beside=beside_call(probe, stream))
             annotate(cfg, pt, machine, stream, probe_ops)
@@ -70,7 +71,7 @@ def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...],
                          "tokens_per_s": [b / q["seconds"] for b, q in zip(batches, preds, strict=True)],
                          **{k: [q[k] for q in preds] for k in ("t_math", "t_memory", "t_parts", "t_overhead", "bound")}}
         for k in ("ratio", "ratio_cpu", "ratio_plain", "ratio_plain_cpu", "ceilings", "ceilings_cpu",
-                  "overhead_s_per_op", "overhead_cpu_s_per_op"):
+                  "products_flops", "products_flops_cpu", "overhead_s_per_op", "overhead_cpu_s_per_op"):
             run[k] = [p[k] for p in points]
         for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
             run["critical_batch" + suffix] = critical_batch(cfg, first["s_mid"], machine_of(machine, clock))

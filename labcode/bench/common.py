@@ -64,6 +64,7 @@ class Sizes:
     # compiled, and at `floor_preset` (always timed) the eager variants; positions as fractions of the room in each
     # preset's buffers (its context, at most `compiled_capacity`); `compile` False times the eager steps only
     compiled_presets: tuple[str, ...] = ("tiny", "small", "gpt2-124m", "smollm2-135m")
+    row_major_presets: tuple[str, ...] = ("smollm2-135m",)  # beside the floor's: also timed with row-major weights
     compiled_positions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     compiled_capacity: int = 1024
     compiled_steps: int = 7

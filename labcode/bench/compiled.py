@@ -428,8 +428,9 @@ def compiled_model(preset: str, device: torch.device) -> GPT:
 
 def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool, layouts: dict | None = None) -> None:
     """The model's eager decode step, the fused step eager and compiled, and the floor, for every preset and the
-    floor's (`sizes.floor_preset`, where the model's step reduced to its tensor operations, the lean step with
-    `layouts` and the model with row-major weights run beside them); compiled with an empty compile cache
+    floor's (`sizes.floor_preset`, where the model's step reduced to its tensor operations and the lean step with
+    `layouts` run beside them); at the floor's preset and `sizes.row_major_presets` also the model with every
+    weight row-major (the layout's share, side by side); compiled with an empty compile cache
     (`fresh_compile_cache`)."""
     streamer = Streamer(sizes.bandwidth_mbytes, device)
     runs = {}
@@ -442,8 +443,11 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool, la
                 cap = min(model.cfg.context_length, sizes.compiled_capacity)
                 room = cap - sizes.compiled_steps - 5  # the last position whose steps fit, with the untimed one
                 positions = tuple(max(1, int(f * room)) for f in sizes.compiled_positions)
-                extra = {"row-major weights": row_major_copy(model), "products only": LeanDecode(model, lean=False),
-                         "lean": LeanDecode(model, lean=True, layouts=layouts)} if preset == sizes.floor_preset else {}
+                extra = {"row-major weights": row_major_copy(model)} if preset in (
+                    sizes.floor_preset, *sizes.row_major_presets) else {}
+                if preset == sizes.floor_preset:
+                    extra.update({"products only": LeanDecode(model, lean=False),
+                                  "lean": LeanDecode(model, lean=True, layouts=layouts)})
                 runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
                                               streamer, capacity=cap, compile=sizes.compile,
                                               concat=preset == sizes.floor_preset, extra=extra, progress=shown)

@@ -6,9 +6,10 @@ cost of one tensor operation (a decode step of a model whose every width is shru
 until its tensors are a few kilobytes, divided by the operations it dispatches).
 `labcode.roofline.predict` turns them, with the counted FLOPs, bytes and operations,
 into seconds; each point here is also timed, with the wall clock and with the
-process's CPU time, and the two are divided. Beside each decode step timed, the fixed
-cost and the memory-side ceilings (`StreamProbe`: what each shape of weight and the
-step's keys and values stream at on their own) are measured again, and the step is
+process's CPU time, and the two are divided. Beside each call timed, the fixed cost and
+the ceilings of its products are measured again (`StreamProbe`: products of the call's rows
+through each shape of weight, and a decode step's keys and values, on their own; what
+streams at a memory-side ceiling, what computes at a compute-side one), and the call is
 predicted with them.
 """
 
@@ -229,14 +230,15 @@ def timed_rounds(one_round, min_s: float = 0.0, max_rounds: int = 50, beside=Non
 
 
 class StreamRound(NamedTuple):
-    """What `StreamProbe.at` measures beside a call: the bytes and operations of each part, and one timed round."""
+    """What `StreamProbe.at` measures beside a call: the bytes of each memory-bound part, the FLOPs of each
+    compute-bound one (and the call's own FLOPs through that shape: its weight in `compute_ceiling`), the
+    operations of each part, and one timed round."""
 
     nbytes: dict
     ops: dict
     one_round: Callable[[], dict]
-
-
-NO_STREAMS = StreamRound({}, {}, dict)  # beside a prefill or an uncached call: nothing
+    flops: dict = {}
+    call_flops: dict = {}
 
 
 def middle_keys(s_cached: int, repeats: int, warmup: int = 2) -> int:
@@ -255,8 +257,9 @@ def medians(timed_calls: dict) -> dict:
 
 
 class StreamProbe:
-    """The memory-side ceilings of a model's decode step, measured beside it: what each shape of its weights and
-    its keys and values stream at, on their own.
+    """The ceilings of a model's call, measured beside it: what each shape of its weights streams at (or computes
+    at, where products of the call's rows are compute-bound) and what a decode step's keys and values stream at,
+    on their own.
 
     For each weight shape (`labcode.roofline.weight_shapes`) of at least `min_matrix_kbytes`
     (a smaller product measures its dispatch, not the memory) it holds enough distinct
@@ -264,9 +267,10 @@ class StreamProbe:
     that none is still in a cache when it is read again; a round multiplies R rows through
     each of them, shape by shape (`at`). The keys and values are the step's own size: L
     layers of B sequences holding S + 1 positions, read by one query per sequence through
-    `labcode.model.attend`. `ceilings` turns the timed rounds into bytes per second, less
-    the fixed cost of the operations they dispatched (the prediction counts that once,
-    for every operation of the step).
+    `labcode.model.attend`. `ceilings` turns the timed rounds into bytes per second, and
+    `compute_ceiling` the compute-bound products into FLOP/s, each less the fixed cost of
+    the operations they dispatched (the prediction counts that once, for every operation of
+    the call).
     """
 
     def __init__(self, cfg: GPTConfig, device: torch.device, min_mbytes: int = 64,
@@ -275,28 +279,30 @@ class StreamProbe:
 
         gen = torch.Generator().manual_seed(1)
         self.cfg, self.device = cfg, device
-        self.weights = {}
-        for o, i, _ in weight_shapes(cfg):
+        self.weights, self.counts = {}, {}
+        for o, i, k in weight_shapes(cfg):
             if 4 * o * i < min_matrix_kbytes * 1024:
                 continue
             one = torch.randn(o, i, generator=gen).to(device)
             one = one.t().contiguous().t() if by_column(o, i) else one
             copies = max(1, -(-min_mbytes * 2**20 // one.nbytes))
             self.weights[(o, i)] = [one] + [one.clone(memory_format=torch.preserve_format) for _ in range(copies - 1)]
+            self.counts[(o, i)] = k
         self.bias = {(o, i): torch.zeros(o, device=device) if cfg.bias else None for o, i in self.weights}
 
     def at(self, rows: int, kv_keys: int | None = None, balance: float = math.inf) -> StreamRound:
-        """(bytes, operations, one round) of the products of `rows` rows whose intensity is below `balance` (the
-        others are compute-bound: their ceiling is on the compute side) and, for `kv_keys`, of decode attention
-        over that many keys for `rows` sequences; a round returns {name: [(wall, CPU) seconds]}."""
+        """The products of `rows` rows through each shape of weight, memory-bound (bytes) where their intensity is
+        below `balance` and compute-bound (FLOPs) from it on, and, for `kv_keys`, decode attention over that many
+        keys for `rows` sequences; a round returns {name: [(wall, CPU) seconds]}."""
         cfg, device, e = self.cfg, self.device, 4
-        calls, nbytes = {}, {}
+        calls, nbytes, flops, call_flops = {}, {}, {}, {}
         for (o, i), ws in self.weights.items():
+            x, b, name = torch.randn(rows, i, device=device), self.bias[(o, i)], shape_name(o, i)
+            calls[name] = lambda x=x, b=b, ws=ws: [F.linear(x, w, b) for w in ws]
             if 2 * rows * o * i / (e * (o * i + rows * (o + i))) >= balance:
-                continue
-            x, b = torch.randn(rows, i, device=device), self.bias[(o, i)]
-            calls[shape_name(o, i)] = lambda x=x, b=b, ws=ws: [F.linear(x, w, b) for w in ws]
-            nbytes[shape_name(o, i)] = sum(w.nbytes for w in ws)
+                flops[name], call_flops[name] = 2 * rows * o * i * len(ws), 2 * rows * o * i * self.counts[(o, i)]
+            else:
+                nbytes[name] = sum(w.nbytes for w in ws)
         if kv_keys:
             shape = (rows, cfg.n_kv_heads, kv_keys, cfg.head_dim)
             row = torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, device=device)  # repeated, as `fill_cache` does
@@ -312,7 +318,7 @@ class StreamProbe:
         def one_round() -> dict:
             return {name: [timed_cpu(fn, device)] for name, fn in calls.items()}
 
-        return StreamRound(nbytes, ops, one_round)
+        return StreamRound(nbytes, ops, one_round, flops, call_flops)
 
 
 def shape_name(n_out: int, n_in: int) -> str:
@@ -334,18 +340,36 @@ def ceilings(nbytes: dict, ops: dict, seconds: dict, s_per_op: float, bandwidth:
     return out
 
 
-def stream_machine(machine: Machine, rates: dict, rows: int) -> Machine:
-    """`machine` with the memory-side ceilings `rates` ({shape name or "K/V": bytes/s}) measured at `rows` rows."""
+def compute_ceiling(stream: StreamRound, seconds: dict, s_per_op: float, clock: int = 0) -> float | None:
+    """FLOP/s of a `StreamProbe` round's compute-bound products, less the fixed cost of their operations: each
+    shape's rate, weighted by the FLOPs the call itself does through that shape; None where none was
+    compute-bound, or where the fixed cost was more than half of every such part's time (it measured the dispatch).
+    """
+    work = time = 0.0
+    for name, f in stream.flops.items():
+        t = seconds[name][clock]
+        if t - stream.ops[name] * s_per_op > 0.5 * t:
+            work += stream.call_flops[name]
+            time += stream.call_flops[name] * (t - stream.ops[name] * s_per_op) / f
+    return work / time if time else None
+
+
+def stream_machine(machine: Machine, rates: dict, rows: int, products_flops: float | None = None) -> Machine:
+    """`machine` with the memory-side ceilings `rates` ({shape name or "K/V": bytes/s}) measured at `rows` rows, and
+    the products' compute-side ceiling `products_flops` measured with them (None: `machine.peak_for`)."""
     streams = tuple((*map(int, k.split("x")), rows, b) for k, b in rates.items() if k != "K/V")
-    return replace(machine, stream_ceilings=streams, kv_bandwidth_bytes_per_s=rates.get("K/V"))
+    return replace(machine, stream_ceilings=streams, kv_bandwidth_bytes_per_s=rates.get("K/V"),
+                   products_flops_per_s=products_flops)
 
 
-def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int, warmup: int) -> tuple[int, object]:
-    """(operations of one decode step, a function that times `repeats` steps from S in a fresh cache)."""
+def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int, warmup: int,
+                   capacity: int | None = None) -> tuple[int, object]:
+    """(operations of one decode step, a function that times `repeats` steps from S in a fresh cache of `capacity`
+    positions, by default the model's context)."""
     cfg, device, batch = model.cfg, model.device, token.shape[0]
 
     def start():
-        cache = WindowCache(cfg.n_layers, cfg.context_length)
+        cache = WindowCache(cfg.n_layers, capacity or cfg.context_length)
         fill_cache(cache, model, batch, s_cached)
         for _ in range(warmup - 1):
             decode_step(model, token, cache)
@@ -363,13 +387,17 @@ def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int,
 
 
 @torch.inference_mode()
-def overhead_probe(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 3) -> tuple[int, object]:
-    """(operations of one step, a function timing `steps` decode steps) of `shrunk_model(cfg)` from `position`:
-    the fixed cost per operation, measured in rounds interleaved with a timed call (`time_point(beside=...)`)."""
+def overhead_probe(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 3,
+                   batch: int = 1) -> tuple[int, object]:
+    """(operations of one step, a function timing `steps` decode steps) of `shrunk_model(cfg)` for `batch`
+    sequences from `position`: the fixed cost per operation (at that batch: an operation over B sequences of
+    almost no data still costs more than over one), measured in rounds interleaved with a timed call
+    (`time_point(beside=...)`)."""
     model = shrunk_model(cfg, device)
     position = min(position, cfg.context_length // 2)
     steps = max(1, min(steps, cfg.context_length - position - 3))
-    return _decode_rounds(model, torch.zeros(1, dtype=torch.long, device=device), position, steps, warmup=2)
+    token = torch.zeros(batch, dtype=torch.long, device=device)
+    return _decode_rounds(model, token, position, steps, warmup=2, capacity=position + steps + 3)
 
 
 @torch.inference_mode()
@@ -435,28 +463,31 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
 
     Decode points time `repeats` steps; prefill and uncached calls, which are longer, about
     half as many; each point in rounds until its timed calls add up to `min_s` seconds.
-    Between the rounds of each point, `overhead_steps` decode steps of the shrunk model of
-    `machine` (`overhead_probe`) measure the fixed cost per operation again, and the point is
+    Between the rounds of each point, `overhead_steps` decode steps of the preset's own model
+    shrunk (`overhead_probe`: its layers and heads, almost no width) measure the fixed cost per
+    operation again, and the point is
     predicted with that cost (`machine_at`): a shared machine's speed changes by tens of
     percent from one second to the next, and a cost measured in the same moments as the
-    call changes with it. Beside each decode point a `StreamProbe` round also streams each
-    weight shape with one row and the step's keys and values: the memory-side ceilings it
-    is predicted with (`annotate`); a decode point takes `min_rounds` rounds at least, so
-    that they are the median of as many measurements.
+    call changes with it. Beside each point a `StreamProbe` round also multiplies the call's
+    rows through each weight shape (and, beside a decode point, reads the step's keys and
+    values): the memory-side and compute-side ceilings it is predicted with (`annotate`); a
+    decode point takes `min_rounds` rounds at least, so that they are the median of as many
+    measurements.
     Returns, per preset, a list of points with their counted cost, the measured seconds, the
     prediction with and without the overhead term, and measured / predicted in both clocks.
     """
 
     out = {}
-    probe_ops, probe = overhead_probe(get_config(machine["overhead"]["preset"]), device, steps=overhead_steps)
     balance = machine_of(machine).balance
     for preset in presets:
         model = (models or {}).get(preset) or random_model(preset, device)
         cfg = model.cfg
+        probe_ops, probe = overhead_probe(cfg, device, steps=overhead_steps)
         streams = StreamProbe(cfg, device, stream_mbytes)
         rows = []
         for kind, t, s in points_for(cfg, **points):
-            stream = streams.at(1, middle_keys(s, repeats), balance) if kind == "decode" else NO_STREAMS
+            stream = streams.at(1, middle_keys(s, repeats), balance) if kind == "decode" else streams.at(t, None,
+                                                                                                      balance)
             row = time_point(model, kind, t, s, repeats=repeats if kind == "decode" else max(1, (repeats + 1) // 2),
                              min_s=min_s, beside=beside_call(probe, stream),
                              min_rounds=min_rounds if kind == "decode" else 1)
@@ -477,17 +508,20 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
 
 def annotate(cfg: GPTConfig, row: dict, machine: dict, stream: StreamRound, probe_ops: int) -> None:
     """Add to a timed point (`time_point` with `beside`) what was measured beside it, the fixed cost per operation
-    and the memory-side ceilings, and its predictions (`predicted`, with them; `plain`, with one bandwidth) and
-    measured / predicted in both clocks."""
+    and the ceilings of its products (`ceilings`, bytes/s; `products_flops`, FLOP/s or None), and its predictions
+    (`predicted`, with them; `plain`, with one bandwidth and the peak of the point's rows measured at the start)
+    and measured / predicted in both clocks."""
     beside = row.pop("beside")
     row["overhead_s_per_op"], row["overhead_cpu_s_per_op"] = (x / probe_ops for x in beside.pop("overhead"))
     for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
         plain = machine_at(machine, row, clock)
         rates = ceilings(stream.nbytes, stream.ops, beside, plain.overhead_s_per_op, plain.bandwidth_bytes_per_s,
                          clock == "cpu")
-        row["ceilings" + suffix] = rates
+        flops = compute_ceiling(stream, beside, plain.overhead_s_per_op, clock == "cpu")
+        row["ceilings" + suffix], row["products_flops" + suffix] = rates, flops
+        rows = row["batch"] * row["t_new"]
         for name, ratio, mach in (("plain", "ratio_plain", plain),
-                                  ("predicted", "ratio", stream_machine(plain, rates, row["batch"]))):
+                                  ("predicted", "ratio", stream_machine(plain, rates, rows, flops))):
             row[name + suffix] = predicted(cfg, row, mach)
             row[ratio + suffix] = row["step" + suffix + "_s"] / row[name + suffix]["seconds"]
         row["ratio_no_overhead" + suffix] = row["step" + suffix + "_s"] / row["predicted" + suffix]["t_parts"]

@@ -107,19 +107,32 @@ def _window(values: dict, target: float) -> list[dict]:
 
 
 def _why_off(values: dict, point: dict) -> str:
-    """Why a roofline point missed its prediction, by what bounds it: what products of that many rows reach
-    (compute), where the decode step's stream rates are (memory); the fixed cost is in the record beside it."""
+    """Why a roofline point missed its prediction, by what bounds it: what products of that many rows reached
+    beside it, or at the start of the run (compute), where the decode step's stream rates are (memory); the fixed
+    cost is in the record beside it."""
     bound = point["predicted"]["bound"]
     machine = values["roofline_machine"]
     rows = machine.get("rows", [])
+    if bound == "compute" and point.get("products_flops"):
+        return (f"; beside it, products of {point['t_new'] * point['batch']} rows through its weights ran at "
+                f"{point['products_flops'] / 1e9:.3g} GFLOP/s, "
+                f"{point['products_flops'] / machine['wall']['peak_flops_per_s']:.0%} of the measured peak")
     if bound == "compute" and rows:
         near = min(rows, key=lambda r: abs(math.log(r["rows"] / max(point["t_new"] * point["batch"], 1))))
         return (f"; products with {near['rows']} rows run at {near['flops_per_s'] / 1e9:.3g} GFLOP/s, "
                 f"{near['flops_per_s'] / machine['wall']['peak_flops_per_s']:.0%} of the measured peak")
+    if bound == "overhead":
+        return "; " + _per_op(point["step_s"], point["predicted"]["t_parts"], point["ops"], point["overhead_s_per_op"])
     if bound == "memory" and values.get("floor_ops"):
         return ("; the decode step's operations stream below one large matrix-vector product (their rates: the "
                 "reason of decode_near_floor)")
     return ""
+
+
+def _per_op(step_s: float, t_parts: float, ops: int, s_per_op: float) -> str:
+    """What an overhead-bound call's operations cost each beyond its bytes and FLOPs, against the fixed cost."""
+    return (f"its {ops} operations took {(step_s - t_parts) / ops * 1e6:.3g} µs each beyond the predicted time of its "
+            f"bytes and FLOPs, against {s_per_op * 1e6:.3g} µs per operation measured beside it")
 
 
 def _roofline(values: dict, target: float) -> list[dict]:
@@ -146,15 +159,21 @@ def _batch(values: dict, target: float) -> list[dict]:
     """Every decode step of the batch sweep against its prediction, and those outside the tolerance."""
     points = [{"preset": preset, "s": run["s_cached"], "b": b, **{k: run[k][i] for k in (
               "ratio", "ratio_cpu", "ratio_plain", "ceilings", "overhead_s_per_op")},
+               "products_flops": run.get("products_flops", [None] * len(run["batch"]))[i],
+               "step_s": run["step_s"][i], "t_parts": run["predicted"]["t_parts"][i], "ops": run["ops_by_batch"][i],
                "bound": run["predicted"]["bound"][i]}
               for preset, res in values["batch"].items() for run in res["runs"] for i, b in enumerate(run["batch"])]
 
     def beside(p: dict) -> str:
         weights = [v for k, v in p["ceilings"].items() if k != "K/V"]
-        parts = [f"weights {min(weights) / 1e9:.2g}-{max(weights) / 1e9:.2g} GB/s" if weights else
-                 "weights at the bandwidth"]
+        parts = [f"weights {min(weights) / 1e9:.2g}-{max(weights) / 1e9:.2g} GB/s"] if weights else []
+        if p["products_flops"]:
+            parts.append(f"compute-bound products {p['products_flops'] / 1e9:.3g} GFLOP/s")
+        parts = parts or ["weights at the bandwidth"]
         if "K/V" in p["ceilings"]:
             parts.append(f"K/V {p['ceilings']['K/V'] / 1e9:.2g} GB/s")
+        if p["bound"] == "overhead":
+            return ", ".join(parts) + "; " + _per_op(p["step_s"], p["t_parts"], p["ops"], p["overhead_s_per_op"])
         return ", ".join(parts) + f", {p['overhead_s_per_op'] * 1e6:.2g} µs per operation"
 
     outside = [p for p in points if worst_factor([p["ratio"]]) > target]
@@ -262,15 +281,17 @@ TARGETS = (
            "every length up to {keys} keys ({preset}, wall clock)", ">=", 1.0, "worst", "{why}", _window,
            ("pulls_ahead_at",)),
     Target("roofline_prediction", "every measured prefill, decode and uncached call from {first} down to {last} "
-           "within {target:g}x of max(FLOPs / peak, bytes / bandwidth) per kind of operation (products of few rows "
-           "at their measured ceiling; a decode step's weights and keys and values at the streaming rates measured "
-           "beside it) + operations x the fixed cost measured beside the call (wall clock)", "<=", TOLERANCE, "worst",
+           "within {target:g}x of max(FLOPs / peak, bytes / bandwidth) per kind of operation (compute-bound products "
+           "with weights at the rate products of the call's rows reached beside it; a decode step's weights and keys "
+           "and values at the streaming rates measured beside it) + operations x the fixed cost measured beside the "
+           "call (wall clock)", "<=", TOLERANCE, "worst",
            "worst: {point}, measured {ratio:.3g}x the prediction ({bound}-bound){why}", _roofline,
            ("one_bandwidth", "measured_cpu", "without_overhead_where_it_does_not_dominate", "overhead_dominates",
             "worst_by_kind", "overhead_crossover_d_model")),
     Target("batch_prediction", "every decode step of the batch sweep ({presets}) within {target:g}x of the roofline "
-           "with each weight shape and the keys and values at the streaming rate measured beside it, + operations "
-           "x the fixed cost (wall clock)", "<=", TOLERANCE, "worst", "{steps}", _batch,
+           "with each weight shape and the keys and values at the streaming rate measured beside it (compute-bound "
+           "products at the rate they reached beside it), + operations x the fixed cost (wall clock)", "<=",
+           TOLERANCE, "worst", "{steps}", _batch,
            ("measured_cpu", "one_bandwidth", "points", "outside")),
     Target("speedup_{preset}", "cached generation at {preset} ({prompt_len}-token prompt, {new_tokens} new) as much "
            "faster than no cache as the roofline predicts, within {target:g}x", "<=", TOLERANCE, "off",
