@@ -1,4 +1,4 @@
-"""The fused decode step of chapter 7 (`labcode.bench.compiled`): the step a compiler fuses, proved equal here.
+"""The fused decode step of chapter 7 (`labcode.fused`): the step a compiler fuses, proved equal here.
 
 The test command never compiles (a compile costs tens of seconds to minutes); it proves the
 eager fused step equal to the model's full pass in float64, with every model option the
@@ -15,15 +15,12 @@ import torch
 from helpers import TOL64
 
 from labcode import GPT, GPTConfig
-from labcode.bench.compiled import (
-    FusedDecode,
-    bench_compiled,
-    float64_check,
-)
+from labcode.bench.compiled import bench_compiled, float64_check
 from labcode.bench.floor import LeanDecode, step_bytes
 from labcode.bench.targets import TARGETS, targets
 from labcode.bench.timing import Streamer
 from labcode.cost import kv_cache_bytes
+from labcode.fused import FusedDecode
 
 CONFIGS = {
     "gpt2": GPTConfig(vocab_size=50, context_length=40, n_layers=2, n_heads=4, d_model=32),

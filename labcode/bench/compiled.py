@@ -1,219 +1,30 @@
-"""The decode step a compiler can fuse: static buffers, fused weights, one function per step.
+"""Whole decode steps against the floor of the bytes they read, side by side, eager and compiled.
 
-Introduced in chapter 7. `FusedDecode` is the cached decode step of any course model
-without a sliding window or a latent (GPT-2 or Llama-family, GQA, cross-layer sharing)
-rewritten the way engines write it: Q, K and V come out of one fused projection (and the
-SwiGLU gate and up of another), the keys and values live in one preallocated buffer per
-layer, the new position is written in place, and one query attends through
-`scaled_dot_product_attention`. Its shapes depend only on the batch, the capacity and the
-number of keys read, so `torch.compile` turns the whole step into one graph that inductor
-fuses (`compiled()`), recompiling for nothing but a new number of keys, which it treats as
-a symbol. The eager step and the compiled one compute the model's logits; the test
-command proves the eager step equal to the model (float64, 1e-12) and the benchmark
-compares the compiled one against both.
-`bench_compiled` is the benchmark of whole decode steps: the model's own eager step, the
-eager variants of `labcode.bench.floor` at the floor's preset, and the fused step eager and
-compiled, timed side by side against the floor of the bytes a step must read.
+Introduced in chapter 7. `bench_compiled` times the model's own eager step, the eager
+variants of `labcode.bench.floor` at the floor's preset, and the course's fused step
+(`labcode.fused.FusedDecode`) eager and compiled, in the same rounds; `record` runs it for
+every preset and the real model, with an empty compile cache.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import time
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
 from labcode.bench.common import TIMED, Sizes, bar, random_model
 from labcode.bench.floor import LeanDecode, step_bytes
 from labcode.bench.layout import row_major_copy, store_wide_weights_by_column
 from labcode.bench.roofline import fill_cache
-from labcode.bench.timing import Streamer, median, rotated, timed_cpu
+from labcode.bench.timing import Streamer, median, profiled, rotated, timed_cpu
 from labcode.caches import WindowCache
-from labcode.checks import fail
 from labcode.config import get_config
+from labcode.fused import FusedDecode
 from labcode.generate import decode_step
 from labcode.model import GPT
 from labcode.results import QAResult
-
-
-def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
-    if rms:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-
-
-def _rotate_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary turn of x [B, H, D] at one position (cos, sin [D/2]): the pairs (i, i + D/2), as the model's."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-
-
-class FusedDecode:
-    """One cached decode position of `model` at batch `batch`, into buffers of `capacity` positions.
-
-    `prefill(ids)` fills the buffers with the model's own pass; `step(ids [B, 1]) -> logits [B, V]`
-    decodes one position, writes its K/V at `self.position` and advances it. `step_fn` is the
-    pure function of (ids, position, number of keys) the compiler sees; `compiled()` swaps in
-    its compiled form and returns the seconds the first call took.
-    """
-
-    def __init__(self, model: GPT, capacity: int | None = None, batch: int = 1, concat: bool = False) -> None:
-        cfg = model.cfg
-        if cfg.sliding_window is not None or cfg.kv_latent is not None:
-            fail("FusedDecode model", "full attention with K/V heads (no sliding window, no latent)",
-                 f"sliding_window={cfg.sliding_window}, kv_latent={cfg.kv_latent}")
-        capacity = cfg.context_length if capacity is None else capacity
-        if not 0 < capacity <= cfg.context_length:
-            fail("FusedDecode capacity", f"1..context_length {cfg.context_length}", capacity)
-        self.model, self.cfg, self.capacity, self.batch, self.concat = model, cfg, capacity, batch, concat
-        self.rms, self.swiglu = cfg.norm == "rmsnorm", cfg.mlp == "swiglu"
-        dev, dt = model.device, model.dtype
-
-        def w(t):
-            return None if t is None else t.detach()
-
-        def cat(*ts):  # fused weights keep the storage order of their parts (`labcode.bench.layout`)
-            out = torch.cat([t.detach() for t in ts])
-            return out.t().contiguous().t() if ts[0].dim() == 2 and ts[0].stride(0) == 1 else out
-
-        self.layers = []
-        with torch.no_grad():
-            for b in model.blocks:
-                a = b.attn
-                qkv_w = a.q_proj.weight if a.kv_proj is None else cat(a.q_proj.weight, a.kv_proj.weight)
-                qkv_b = None if a.q_proj.bias is None else (
-                    a.q_proj.bias if a.kv_proj is None else cat(a.q_proj.bias, a.kv_proj.bias))
-                if self.swiglu:
-                    up_w = cat(b.mlp.gate.weight, b.mlp.up.weight)
-                    up_b = None if b.mlp.gate.bias is None else cat(b.mlp.gate.bias, b.mlp.up.bias)
-                    down_w, down_b = b.mlp.down.weight, b.mlp.down.bias
-                else:
-                    up_w, up_b, down_w, down_b = b.mlp[0].weight, b.mlp[0].bias, b.mlp[2].weight, b.mlp[2].bias
-                self.layers.append({"ln1": (w(b.ln_1.weight), w(getattr(b.ln_1, "bias", None))),
-                                    "ln2": (w(b.ln_2.weight), w(getattr(b.ln_2, "bias", None))),
-                                    "qkv": (w(qkv_w), w(qkv_b)), "out": (w(a.out_proj.weight), w(a.out_proj.bias)),
-                                    "up": (w(up_w), w(up_b)), "down": (w(down_w), w(down_b)),
-                                    "owns": a.kv_proj is not None})
-        self.lnf = (w(model.ln_f.weight), w(getattr(model.ln_f, "bias", None)))
-        self.emb = model.tok_emb.weight.detach()
-        self.pos_emb = None if model.pos_emb is None else model.pos_emb.weight.detach()
-        hkv, d = cfg.n_kv_heads, cfg.head_dim
-        # one buffer per cache layer, [B, Hkv, capacity, D]: each written one row per step, in place (made in
-        # inference mode, as every tensor the step sees: the compiled step checks that it is the same kind)
-        with torch.inference_mode():
-            self.k = [torch.zeros(batch, hkv, capacity, d, device=dev, dtype=dt) for _ in range(cfg.kv_layers)]
-            self.v = [torch.zeros_like(k) for k in self.k]
-        if cfg.rotary:  # the model's angles: positions times frequencies in float64, cos and sin cast after
-            inv = cfg.rope_base ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d)
-            ang = torch.arange(capacity, device=dev, dtype=torch.float64).unsqueeze(-1) * inv
-            self.cos, self.sin = ang.cos().to(dt), ang.sin().to(dt)
-        self.full = (self.k, self.v)  # concat: the rows are views of these, and a step makes new tensors
-        if concat:
-            self.reset(0)
-        self.gqa = bool(cfg.n_heads != hkv)  # a plain bool: the compiler must not make it a symbol
-        self.position = 0
-        self.fn = self.step_fn
-
-    def reset(self, position: int = 0) -> None:
-        """Go back to `position` (the rows before it as the buffers hold them): timings restart from one state."""
-        self.position = position
-        if self.concat:
-            with torch.inference_mode():  # contiguous, as every tensor a concatenating step makes
-                self.k = [k[:, :, :position].contiguous() for k in self.full[0]]
-                self.v = [v[:, :, :position].contiguous() for v in self.full[1]]
-
-    @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Fill the buffers from a prompt ids [B, T] with the model's pass; return its last logits [B, V]."""
-        b, t = ids.shape
-        if b != self.batch or self.position + t > self.capacity:
-            fail("prefill ids", f"[{self.batch}, <= {self.capacity - self.position}]", tuple(ids.shape))
-        cache = WindowCache(self.cfg.kv_layers, self.capacity)
-        if self.position:
-            fail("prefill", "an empty step (reset() first)", f"position {self.position}")
-        logits = self.model(ids, cache)
-        for layer in range(self.cfg.kv_layers):
-            self.full[0][layer][:, :, :t] = cache.k[layer][:, :, :t]
-            self.full[1][layer][:, :, :t] = cache.v[layer][:, :, :t]
-        self.reset(t)
-        return logits[:, -1]
-
-    @torch.inference_mode()
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of one new position ids [B, 1]; its K/V written at `position`, which advances."""
-        n = self.position
-        if tuple(ids.shape) != (self.batch, 1):
-            fail("step ids", f"shape ({self.batch}, 1)", tuple(ids.shape))
-        if n >= self.capacity:
-            fail("step", f"a free position (capacity {self.capacity})", f"position {n}")
-        pos = torch.tensor([n], device=ids.device)  # the write position, as a tensor
-        out = self.fn(ids.clone(memory_format=torch.contiguous_format), pos, n + 1)
-        self.position = n + 1
-        return out
-
-    def step_fn(self, ids: torch.Tensor, pos: torch.Tensor, keys: int) -> torch.Tensor:
-        """The pure step: embed, every block, the head. Writes row `pos` [1] of every layer's K and V and
-        attends to the first `keys` rows (pos + 1; the compiler sees one symbol for it, not one graph per step)."""
-        cfg, eps, rms = self.cfg, self.cfg.norm_eps, self.rms
-        b, h, hkv, d = self.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x = F.embedding(ids[:, 0], self.emb)  # (B, C)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb[pos]
-        if cfg.rotary:
-            cos, sin = self.cos[pos], self.sin[pos]  # (1, D/2)
-        for i, lay in enumerate(self.layers):
-            slot = i // cfg.kv_share
-            a = _norm(x, *lay["ln1"], eps, rms)
-            qkv = F.linear(a, *lay["qkv"])  # (B, H D + 2 Hkv D): one weight read for Q, K and V
-            q = qkv[:, : h * d].view(b, h, d)
-            if cfg.rotary:
-                q = _rotate_one(q, cos, sin)
-            if lay["owns"]:
-                k_new, v_new = qkv[:, h * d :].view(b, 2, hkv, d).unbind(1)  # (B, Hkv, D) each
-                if cfg.rotary:
-                    k_new = _rotate_one(k_new, cos, sin)
-                if self.concat:  # a new tensor of n + 1 rows: every cached row copied, every step
-                    self.k[slot] = torch.cat((self.k[slot], k_new.unsqueeze(2)), 2)
-                    self.v[slot] = torch.cat((self.v[slot], v_new.unsqueeze(2)), 2)
-                else:  # one row written in place
-                    self.k[slot].index_copy_(2, pos, k_new.unsqueeze(2))
-                    self.v[slot].index_copy_(2, pos, v_new.unsqueeze(2))
-            k_all, v_all = self.k[slot][:, :, :keys], self.v[slot][:, :, :keys]  # (B, Hkv, keys, D): views
-            y = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, enable_gqa=self.gqa)  # (B, H, 1, D)
-            x = x + F.linear(y.reshape(b, h * d), *lay["out"])
-            m = _norm(x, *lay["ln2"], eps, rms)
-            up = F.linear(m, *lay["up"])
-            if self.swiglu:
-                gate, up = up.chunk(2, dim=-1)
-                up = F.silu(gate) * up
-            else:
-                up = F.gelu(up, approximate="tanh")
-            x = x + F.linear(up, *lay["down"])
-        return F.linear(_norm(x, *self.lnf, eps, rms), self.emb)  # (B, V), the tied head
-
-    @torch.inference_mode()
-    def compiled(self, mode: str | None = None) -> float:
-        """Compile `step_fn` (inductor, the number of keys a symbol); return the seconds its first two calls took.
-
-        They run at two scratch positions near the end, then the buffers and the position are put back."""
-        # every FusedDecode compiles the same code for its own tensors: room for all of them in the code cache
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.fn = torch.compile(self.step_fn, dynamic=True, mode=mode, fullgraph=True)
-        keep, position = [t.clone() for t in self.full[0] + self.full[1]], self.position
-        ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.model.device)
-        t0 = time.perf_counter()
-        for n in (self.capacity - 3, self.capacity - 2):
-            self.reset(n)
-            self.step(ids)
-        seconds = time.perf_counter() - t0
-        for buf, kept in zip(self.full[0] + self.full[1], keep, strict=True):
-            buf.copy_(kept)
-        self.reset(position)
-        return seconds
 
 
 @contextmanager
@@ -275,17 +86,11 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
 
     Products with weights are the addmm/mm calls, attention the SDPA kernels (or the eager model's bmm and
     softmax); the rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
-    from torch.profiler import ProfilerActivity, profile
-
     _start(runner, position)
     ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            runner.step(ids)
-        wall = (time.perf_counter() - t0) / steps
+    averages, wall = profiled(lambda: runner.step(ids), steps, runner.model.device)
     kinds = {"products with weights": 0.0, "attention": 0.0}
-    for e in prof.key_averages():
+    for e in averages:
         name = e.key
         if name in ("aten::addmm", "aten::mm", "aten::addmv", "aten::mv"):
             kinds["products with weights"] += e.self_cpu_time_total / 1e6 / steps

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from labcode.bench.common import TIMED, Sizes, bar
 from labcode.bench.roofline import fill_cache
-from labcode.bench.timing import Streamer, median, per_call, rotated, timed_cpu
+from labcode.bench.timing import Streamer, median, per_call, profiled, rotated, rotating_medians, timed_cpu
 from labcode.caches import ConcatCache, WindowCache
 from labcode.generate import decode_step
 from labcode.model import GPT, attend, rotate
@@ -255,12 +255,8 @@ def product_variants(shapes: Sequence[tuple[int, int]], device: torch.device, mi
             ways[f"addmv, {layout}"] = lambda ws=ws, x=x[0], b=bias: [torch.addmv(b, w, x) for w in ws]
             ways[f"addmv out=, {layout}"] = lambda ws=ws, x=x[0], b=bias, o=buf: [torch.addmv(b, w, x, out=o)
                                                                                  for w in ws]
-        seconds: dict[str, list[float]] = {name: [] for name in ways}
-        for r in range(repeats + 1):  # the first round warms up
-            for name in rotated(list(ways), r):
-                seconds[name].append(timed_cpu(ways[name], device)[0])
         nbytes = sum(w.nbytes for w in rows)
-        speeds = {name: nbytes / median(ts[1:]) for name, ts in seconds.items()}
+        speeds = {name: nbytes / s for name, s in rotating_medians(ways, repeats, device).items()}
         best = max(speeds, key=speeds.get)
         out.append({"shape": [n_out, n_in], "bytes_per_s": speeds, "best": best,
                     "best_addmv_layout": max(("row", "col"), key=lambda lay: speeds[f"addmv out=, {lay}"])})
@@ -293,13 +289,9 @@ def kv_read_variants(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int
             "weights @ V (as attend)": lambda vs=views, w=w: [torch.bmm(w, v) for v in vs],
             "sum(K) (streaming)": lambda ks=views: [k.sum() for k in ks],
         }
-        seconds: dict[str, list[float]] = {name: [] for name in ways}
-        for r in range(repeats + 1):
-            for name in rotated(list(ways), r):
-                seconds[name].append(timed_cpu(ways[name], device)[0])
         nbytes = sum(v.numel() for v in views) * 4
         out.append({"keys": s, "bytes": nbytes,
-                    "bytes_per_s": {name: nbytes / median(ts[1:]) for name, ts in seconds.items()}})
+                    "bytes_per_s": {name: nbytes / t for name, t in rotating_medians(ways, repeats, device).items()}})
     return out
 
 
@@ -378,18 +370,12 @@ def step_bytes(model: GPT, keys: int, batch: int = 1) -> tuple[int, int]:
 @torch.inference_mode()
 def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
     """Where a cached decode step's time goes: self time per aten op (per weight shape for products), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
     cache = WindowCache(model.cfg.n_layers, model.cfg.context_length)
     fill_cache(cache, model, 1, position)
     token = torch.zeros(1, dtype=torch.long, device=model.device)
     decode_step(model, token, cache)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
-    with profile(activities=activities, record_shapes=True) as prof:
-        for _ in range(steps):
-            decode_step(model, token, cache)
     rows: dict[tuple[str, str], dict] = {}
-    for e in prof.key_averages(group_by_input_shape=True):
+    for e in profiled(lambda: decode_step(model, token, cache), steps, model.device, shapes=True)[0]:
         self_us = e.self_device_time_total if model.device.type == "cuda" else e.self_cpu_time_total
         # Matrix products with a weight keep their shapes (one row per weight shape); others are summed by name.
         shapes = str(e.input_shapes) if e.key in ("aten::addmm", "aten::mm") else ""

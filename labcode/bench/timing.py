@@ -104,6 +104,30 @@ def rotated(names: Sequence[str], k: int) -> list[str]:
     return list(names[k:]) + list(names[:k])
 
 
+def rotating_medians(ways: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, float]:
+    """Median wall seconds of each of `ways`, called once per round in an order that rotates every round, after a
+    first round that only warms up."""
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(rounds + 1):
+        for name in rotated(list(ways), r):
+            seconds[name].append(timed(ways[name], device))
+    return {name: median(ts[1:]) for name, ts in seconds.items()}
+
+
+def profiled(run: Callable[[], object], steps: int, device: torch.device, shapes: bool = False) -> tuple[list, float]:
+    """torch.profiler's averages over `steps` calls of `run()` (grouped by input shape where `shapes`), and the wall
+    seconds per call under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=shapes) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run()
+        wall = (time.perf_counter() - t0) / steps
+    return prof.key_averages(group_by_input_shape=shapes), wall
+
+
 def per_call(fn: Callable[[], object], device: torch.device, calls: int = 200, repeats: int = 7) -> float:
     """Median over `repeats` batches of the mean seconds per call of `fn` (for calls of a few microseconds)."""
     fn()
