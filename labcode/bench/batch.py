@@ -30,15 +30,11 @@ def bench_batch(model: GPT, batches: tuple[int, ...], contexts: tuple[int, ...],
                 progress=None) -> dict:
     """For each context S: measured and predicted decode step time and tokens/s at every batch size.
 
-    Each point is timed as `bench_roofline` times its decode points (`time_point`): rounds of
-    `steps` steps from a fresh cache of B sequences holding S positions, until the timed
-    steps add up to `min_s` seconds, `min_rounds` rounds at least. Between the rounds, the
-    fixed cost per operation (`overhead_probe`: the same model shrunk, stepping B sequences)
-    and the ceilings (`StreamProbe` with B rows and the step's keys and values: memory-side,
-    and compute-side where B rows are compute-bound) are measured, and the point is
-    predicted with them (`predicted`) and with one bandwidth and the same fixed cost (`plain`). Also the two
-    batch sizes the roofline names at that S: `critical_batch` (the whole step
-    compute-bound) and `weights_critical_batch` (the products with weights alone).
+    Each point is timed as `bench_roofline` times its decode points, from a fresh cache of B sequences holding S
+    positions, with the fixed cost (`overhead_probe` stepping B sequences) and the ceilings (`StreamProbe` with B
+    rows) measured between the rounds; it is predicted with them (`predicted`) and with one bandwidth (`plain`).
+    Also the two batch sizes the roofline names at that S: `critical_batch` (the whole step compute-bound) and
+    `weights_critical_batch` (the products with weights alone).
     """
     cfg = model.cfg
     probes = {b: overhead_probe(cfg, model.device, steps=overhead_steps, batch=b) for b in batches}

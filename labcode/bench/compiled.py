@@ -105,17 +105,13 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
                    progress=None) -> dict:
     """The decode step of `model` several ways, side by side, against the floor of the bytes it must read.
 
-    The variants (`VARIANTS`, in that order) are the model's eager step, the steps in `extra`
-    (name: anything `decode_step` runs like the model, e.g. `LeanDecode`), the fused step eager
-    and compiled (`compile=False`: the test command never compiles), and the compiled
-    concatenating step (`concat`). In each round, at each position, the variants take `steps` steps
-    interleaved, one step each in an order that rotates every step, timed on the wall clock and in
-    process CPU time, and the streaming bandwidth is measured again: the floor of a step is its bytes over that
-    bandwidth (`_cpu`: over the bandwidth in CPU time).
-    Returns medians per position: seconds, tokens/s, bytes/s achieved and the ratio to the
-    floor, with the compile seconds, the largest logit difference of each variant from the
-    model's full pass, and the model's step and the fastest one taken apart by operation kind
-    at the middle position.
+    The variants are the model's eager step, the steps in `extra` (anything `decode_step` runs like the model),
+    the fused step eager and compiled (`compile=False`: the test command never compiles), and the compiled
+    concatenating step (`concat`). In each round, at each position, they take `steps` steps interleaved in an
+    order that rotates every step, on the wall clock and in CPU time, and the bandwidth is measured again: a
+    step's floor is its bytes over it. Returns medians per position (seconds, tokens/s, bytes/s, ratio to the
+    floor), the compile seconds, each variant's largest logit difference from the model's full pass, and the
+    model's step and the fastest one taken apart by kind of operation at the middle position.
     """
     cfg = model.cfg
     capacity = min(cfg.context_length, capacity or cfg.context_length)
@@ -232,11 +228,9 @@ def compiled_model(preset: str, device: torch.device) -> GPT:
 
 
 def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool, layouts: dict | None = None) -> None:
-    """The model's eager decode step, the fused step eager and compiled, and the floor, for every preset and the
-    floor's (`sizes.floor_preset`, where the model's step reduced to its tensor operations and the lean step with
-    `layouts` run beside them); at the floor's preset and `sizes.row_major_presets` also the model with every
-    weight row-major (the layout's share, side by side); compiled with an empty compile cache
-    (`fresh_compile_cache`)."""
+    """The model's eager step and the fused step eager and compiled (from an empty compile cache) against the floor,
+    at every preset; at `sizes.floor_preset` also its tensor operations alone and the lean step with `layouts`, and
+    there and at `sizes.row_major_presets` the model with every weight row-major."""
     streamer = Streamer(sizes.bandwidth_mbytes, device)
     runs = {}
     presets = list(dict.fromkeys((*sizes.compiled_presets, sizes.floor_preset)))

@@ -1,15 +1,10 @@
 """Decode at the floor: where a cached decode step's time goes, operation by operation, and what eager PyTorch allows.
 
-Introduced in chapter 7's appendix on CPU micro-benchmarks. A decode step at batch 1
-reads every weight and every cached key and value once, so its floor is those bytes
-over the streaming bandwidth. `LeanDecode` is the benchmark's own decode step: the
-model's weights and arithmetic, with the options eager PyTorch offers (a fused Q/K/V
-weight, each weight stored in the layout its product streams fastest, `addmv` into
-preallocated outputs, K read as K @ q); with a `StepTimer` it reports the seconds of
-each kind of operation, which divided into its bytes give the bandwidth it achieves.
-Also here: the window cache against the concatenating cache per step, and the cost of the
-cache's validation per step. The whole steps (the model's, `LeanDecode` with and without its
-options) are timed against the floor in `labcode.bench.compiled`, beside the fused step.
+Introduced in chapter 7's appendix on CPU micro-benchmarks. A decode step at batch 1 reads every weight and
+every cached key and value once: its floor is those bytes over the streaming bandwidth. `LeanDecode` is the
+model's step with the options eager PyTorch offers; with a `StepTimer` it gives each kind of operation's
+seconds, and so the bandwidth it achieves. Also here: window against concat per step, and the cost of the
+cache's validation. The whole steps are timed against the floor in `labcode.bench.compiled`.
 """
 
 from __future__ import annotations
@@ -64,16 +59,12 @@ def stored(w: torch.Tensor, layout: str) -> torch.Tensor:
 class LeanDecode:
     """A cached decode step of `model` reduced to its tensor operations, with eager PyTorch's speed options.
 
-    `lean=False` performs exactly the model's operations on the model's own tensors
-    (`F.linear`, `attend`) and nothing around them (no modules, checks, masks or cache
-    protocol): untimed, what eager PyTorch's kernels need for the model's step (the
-    floor benchmark's "products only"); timed, a per-operation profile. `lean=True` uses a fused
-    Q/K/V weight, stores every weight in `layouts[(out, in)]` ("row" or "col"; default
-    "row"), multiplies one row with `addmv` into preallocated outputs, and reads the keys
-    as K @ q. It writes into a `WindowCache`'s buffers as the model does; callable like
-    the model on one new position, `step(ids [B, 1], cache) -> logits [B, 1, V]`.
-    `fused_qkv`, `matvec` and `k_first` switch single options (the layouts follow `lean`),
-    for ablations. Set `timer` to a `StepTimer` to time each kind of operation.
+    `lean=False` performs exactly the model's operations on its own tensors (`F.linear`, `attend`) and nothing
+    around them (no modules, checks, masks or cache protocol): the benchmark's "products only". `lean=True` fuses
+    the Q/K/V weight, stores each weight in `layouts[(out, in)]` ("row" or "col"), multiplies one row with
+    `addmv` into preallocated outputs and reads the keys as K @ q; `fused_qkv`, `matvec` and `k_first` switch
+    single options, for ablations. It writes a `WindowCache`'s buffers as the model does:
+    `step(ids [B, 1], cache) -> logits [B, 1, V]`. Set `timer` to a `StepTimer` to time each kind of operation.
     """
 
     def __init__(self, model: GPT, lean: bool = True, layouts: dict[tuple[int, int], str] | None = None, *,

@@ -95,12 +95,8 @@ def shrunk_model(cfg: GPTConfig, device: torch.device) -> GPT:
 @torch.inference_mode()
 def measure_overhead(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 11,
                      min_s: float = 0.5) -> dict:
-    """Seconds per tensor operation of a cached decode step of `shrunk_model(cfg)`: its step time / its operations.
-
-    The steps are timed in rounds of `steps` from the same cached length (`overhead_probe`)
-    until `min_s` seconds of them are in: the median of a few hundred steps, which a moment of
-    other work on the machine barely moves.
-    """
+    """Seconds per tensor operation of a cached decode step of `shrunk_model(cfg)`: its step time / its operations,
+    the median of rounds of `steps` steps (`overhead_probe`) until `min_s` seconds of them are in."""
     ops, probe = overhead_probe(cfg, device, position, steps)
     runs, _ = timed_rounds(probe, min_s)
     wall, cpu = median([w for w, _ in runs]), median([c for _, c in runs])
@@ -140,21 +136,15 @@ def measure_machine(device: torch.device, bandwidth_mbytes: int, overhead_preset
 
 
 def row_ceilings(rows: list[dict], clock: str, balance: float) -> tuple[tuple[int, float], ...]:
-    """(R, FLOP/s) of the `measure_rows` products that were compute-bound: intensity at least the machine's balance.
-
-    A product with fewer rows is below the balance, so its rate measures the bandwidth,
-    not how fast the arithmetic of so few rows can go; it is left out.
-    """
+    """(R, FLOP/s) of the `measure_rows` products at an intensity of at least the machine's balance: below it, a
+    product's rate measures the bandwidth, not its arithmetic."""
     key = "flops_per_s" if clock == "wall" else "cpu_flops_per_s"
     return tuple((r["rows"], r[key]) for r in sorted(rows, key=lambda r: r["rows"]) if r["intensity"] >= balance)
 
 
 def machine_of(measured: dict, clock: str = "wall") -> Machine:
-    """The `Machine` a `measure_machine` result describes, in `clock` ("wall" or "cpu").
-
-    Where the result holds products of few rows (`measure_rows`, under "rows"), the
-    compute-bound ones are the machine's `row_ceilings`.
-    """
+    """The `Machine` a `measure_machine` result describes, in `clock` ("wall" or "cpu"), with the compute-bound
+    products of few rows it holds (`measure_rows`, under "rows") as its `row_ceilings`."""
     m = measured[clock]
     balance = m["peak_flops_per_s"] / m["bandwidth_bytes_per_s"]
     return Machine(**m, row_ceilings=row_ceilings(measured.get("rows", []), clock, balance))
@@ -169,10 +159,8 @@ def machine_at(measured: dict, point: dict, clock: str = "wall") -> Machine:
 
 
 def wall_over_cpu(roofline: dict) -> tuple[float, int]:
-    """(median of wall-clock over CPU time, number of calls) over every timed call of a `bench_roofline` result.
-
-    About 1 when the process had its core to itself; well above 1 when other work shared the cores.
-    """
+    """(median of wall-clock over CPU time, number of calls) over every timed call of a `bench_roofline` result:
+    about 1 when the process had its core to itself."""
     ratios = [pt["step_s"] / pt["step_cpu_s"] for run in roofline.values() for pt in run["points"]
               if pt.get("step_cpu_s")]
     if not ratios:
@@ -193,11 +181,8 @@ def clock_note(roofline: dict, shared_above: float = 1.1) -> str:
 
 def points_for(cfg: GPTConfig, prefill: tuple[tuple[int, int], ...], decode: tuple[float, ...],
                uncached: tuple[int, ...], decode_steps: int) -> list[tuple[str, int, int]]:
-    """(kind, T, S) of each point that fits the preset's position table.
-
-    `prefill` holds (T, S) pairs; `decode` fractions of the table at which the cached
-    length starts (the timed steps follow it); `uncached` lengths of the full forward.
-    """
+    """(kind, T, S) of each point that fits the preset's position table: `prefill` (T, S) pairs, `decode` fractions
+    of the table where the cached length starts, `uncached` lengths of the full forward."""
     n = cfg.context_length
     pts = [("prefill", t, s) for t, s in prefill if s + t <= n]
     pts += [("decode", 1, min(round(f * n), n - decode_steps - 3)) for f in decode]
@@ -258,19 +243,14 @@ def medians(timed_calls: dict) -> dict:
 
 class StreamProbe:
     """The ceilings of a model's call, measured beside it: what each shape of its weights streams at (or computes
-    at, where products of the call's rows are compute-bound) and what a decode step's keys and values stream at,
-    on their own.
+    at, where products of the call's rows are compute-bound) and what a decode step's keys and values stream at.
 
-    For each weight shape (`labcode.roofline.weight_shapes`) of at least `min_matrix_kbytes`
-    (a smaller product measures its dispatch, not the memory) it holds enough distinct
-    matrices, at least `min_mbytes` in all and in the benchmark's layout (`bench.layout`),
-    that none is still in a cache when it is read again; a round multiplies R rows through
-    each of them, shape by shape (`at`). The keys and values are the step's own size: L
-    layers of B sequences holding S + 1 positions, read by one query per sequence through
-    `labcode.model.attend`. `ceilings` turns the timed rounds into bytes per second, and
-    `compute_ceiling` the compute-bound products into FLOP/s, each less the fixed cost of
-    the operations they dispatched (the prediction counts that once, for every operation of
-    the call).
+    Each weight shape (`labcode.roofline.weight_shapes`) of at least `min_matrix_kbytes` (a smaller product
+    measures its dispatch) gets enough distinct matrices in the benchmark's layout, `min_mbytes` in all, that
+    none is still in a cache when read again. The keys and values are the step's own: L layers of B sequences
+    holding S + 1 positions, read by one query each through `labcode.model.attend`. `ceilings` and
+    `compute_ceiling` turn the timed rounds into bytes/s and FLOP/s, less the fixed cost of their operations
+    (which the prediction counts once, for the whole call).
     """
 
     def __init__(self, cfg: GPTConfig, device: torch.device, min_mbytes: int = 64,
@@ -326,12 +306,9 @@ def shape_name(n_out: int, n_in: int) -> str:
 
 
 def ceilings(nbytes: dict, ops: dict, seconds: dict, s_per_op: float, bandwidth: float, clock: int = 0) -> dict:
-    """{name: bytes/s} of a `StreamProbe` round's parts: bytes over (median seconds less ops x the fixed cost).
-
-    `seconds` holds (wall, CPU) medians (`medians`), `clock` picks one. A part whose bytes
-    take less time at the `bandwidth` than its operations' fixed cost, or whose fixed cost
-    was more than half its time, measures the dispatch, not the memory: it sets no ceiling.
-    """
+    """{name: bytes/s} of a `StreamProbe` round's parts: bytes over (median seconds less ops x the fixed cost), of
+    the (wall, CPU) medians `seconds` picked by `clock`. A part whose bytes take less time at `bandwidth` than its
+    fixed cost, or whose fixed cost was over half its time, measures the dispatch: it sets no ceiling."""
     out = {}
     for name, n in nbytes.items():
         t, fixed = seconds[name][clock], ops[name] * s_per_op
@@ -405,16 +382,10 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
                warmup: int = 2, min_s: float = 0.0, max_rounds: int = 50, beside=None, min_rounds: int = 1) -> dict:
     """Median wall and CPU seconds of one forward call of `kind`, and the operations it dispatches.
 
-    Decode times `repeats` consecutive steps from S (so the cached length grows by one each
-    step; `s_mid` is the middle one); prefill and uncached calls start from the same state
-    every time (a fresh cache holding S positions for prefill). Short calls are timed again,
-    in rounds from the same state, until the timed calls add up to `min_s` seconds (at most
-    `max_rounds` rounds, `min_rounds` at least): a call of a millisecond is otherwise at the mercy of one
-    interruption.
-    `beside`, a function returning {name: [(wall, CPU) seconds]} of some other calls, runs
-    after every round, and the medians of its calls come back as `beside` ({name: (wall,
-    CPU)}): measured in the same moments as the call, whatever the machine's speed did
-    meanwhile.
+    Decode times `repeats` consecutive steps from S (`s_mid` is the middle one); prefill and uncached calls start
+    from the same state each time. Calls are timed in rounds until they add up to `min_s` seconds (`timed_rounds`).
+    `beside()`, returning {name: [(wall, CPU) seconds]} of other calls, runs after every round; their medians come
+    back as `beside`: measured in the same moments as the call, whatever the machine's speed did meanwhile.
     """
     cfg, device = model.cfg, model.device
     gen = torch.Generator().manual_seed(t_new + 7 * s_cached)
@@ -461,20 +432,14 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
                    stream_mbytes: int = 64, min_rounds: int = 1, progress=None) -> dict:
     """Every point of every preset, timed and predicted; `points` holds `points_for`'s arguments.
 
-    Decode points time `repeats` steps; prefill and uncached calls, which are longer, about
-    half as many; each point in rounds until its timed calls add up to `min_s` seconds.
-    Between the rounds of each point, `overhead_steps` decode steps of the preset's own model
-    shrunk (`overhead_probe`: its layers and heads, almost no width) measure the fixed cost per
-    operation again, and the point is
-    predicted with that cost (`machine_at`): a shared machine's speed changes by tens of
-    percent from one second to the next, and a cost measured in the same moments as the
-    call changes with it. Beside each point a `StreamProbe` round also multiplies the call's
-    rows through each weight shape (and, beside a decode point, reads the step's keys and
-    values): the memory-side and compute-side ceilings it is predicted with (`annotate`); a
-    decode point takes `min_rounds` rounds at least, so that they are the median of as many
-    measurements.
-    Returns, per preset, a list of points with their counted cost, the measured seconds, the
-    prediction with and without the overhead term, and measured / predicted in both clocks.
+    Decode points time `repeats` steps (at least `min_rounds` rounds), prefill and uncached calls about half as
+    many, each in rounds until they add up to `min_s` seconds. Between the rounds, `overhead_steps` decode steps
+    of the preset's model shrunk (`overhead_probe`) measure the fixed cost per operation again, and a
+    `StreamProbe` round the ceilings of the call's products (and of a decode step's keys and values): a shared
+    machine's speed changes by tens of percent from one second to the next, and what is measured in the same
+    moments changes with it. The point is predicted with them (`annotate`) and, as before, with the machine's
+    numbers alone. Returns, per preset, the points with their counted cost, measured seconds, predictions and
+    measured / predicted in both clocks.
     """
 
     out = {}
@@ -562,12 +527,8 @@ def summary(result: dict, tolerance: float = TOLERANCE) -> dict:
 
 def measure_rows(device: torch.device, shape: tuple[int, int] = (3072, 768), rows: tuple[int, ...] = (1, 4, 16, 64,
                  256, 1024), min_mbytes: int = 64, repeats: int = 3) -> list[dict]:
-    """FLOP/s of `F.linear` with R rows through a weight [out, in]: how close products with few rows get to the peak.
-
-    The roofline assumes a call is compute-bound at the peak as soon as its intensity
-    allows; products with a few rows are not. Enough distinct weights are cycled that
-    none stays in a cache.
-    """
+    """FLOP/s of `F.linear` with R rows through a weight [out, in] (enough distinct weights cycled that none stays in
+    a cache): how close products with few rows get to the peak their intensity allows."""
     gen = torch.Generator().manual_seed(0)
     n_out, n_in = shape
     copies = max(1, -(-min_mbytes * 2**20 // (4 * n_out * n_in)))
@@ -586,11 +547,8 @@ def measure_rows(device: torch.device, shape: tuple[int, int] = (3072, 768), row
 
 
 def overhead_crossover(cfg: GPTConfig, machine: Machine, ops: int, widths: tuple[int, ...] | None = None) -> dict:
-    """The model width below which a batch-1 decode step is predicted to spend more on operations than on bytes.
-
-    Same layers, heads and vocabulary as `cfg`, widths `d_model` from `widths` (default:
-    multiples of 64 up to 2048); `ops` is the step's operation count, which the width does not change.
-    """
+    """The model width below which a batch-1 decode step of `ops` operations is predicted to spend more on them than
+    on bytes: `cfg`'s layers, heads and vocabulary at each of `widths` (default: multiples of 64 up to 2048)."""
     widths = widths or tuple(range(64, 2049, 64))
     rows = []
     for c in widths:
@@ -626,7 +584,7 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, mo
     res.value("roofline", result, TIMED)
     wall = machine_of(measured)
     overhead = measured["overhead"]
-    extra = {"crossover": {p: overhead_crossover(get_config(p), wall, _decode_ops(result[p]))
+    extra = {"crossover": {p: overhead_crossover(get_config(p), wall, _ops(result[p]))
                            for p in sizes.roofline_presets}}
     for preset, run in res.doc["values"]["generation"].items():
         if preset in result:
@@ -635,20 +593,15 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, mo
     res.value("roofline_summary", {**summary(result), "overhead_measured_on": overhead["preset"], **extra}, TIMED)
 
 
-def _decode_ops(run: dict) -> int:
-    """Operations a batch-1 decode step dispatched in a roofline run (after the first step)."""
-    ops = [p["ops"] for p in run["points"] if p["kind"] == "decode"]
-    return min(ops) if ops else 0
+def _ops(run: dict, kind: str = "decode") -> int:
+    """Operations a batch-1 call of `kind` dispatched in a roofline run (the fewest of its points)."""
+    return min([p["ops"] for p in run["points"] if p["kind"] == kind], default=0)
 
 
 def roofline_speedup(cfg, run: dict, roofline_run: dict, machine) -> dict:
-    """The roofline's prediction of a generation benchmark's totals, with and without a cache, and the speedup.
-
-    Each call is predicted with the operation counts the roofline run measured for its kind.
-    """
-    ops = {kind: [p["ops"] for p in roofline_run["points"] if p["kind"] == kind] for kind in ("prefill", "decode",
-                                                                                             "uncached")}
-    ops = {k: (min(v) if v else 0) for k, v in ops.items()}
+    """The roofline's prediction of a generation benchmark's totals, with and without a cache, and the speedup, each
+    call with the operations the roofline run counted for its kind."""
+    ops = {kind: _ops(roofline_run, kind) for kind in KINDS}
     p0, n = run["prompt_len"], run["new_tokens"]
     nocache = [predict(uncached_cost(cfg, p0 + i), machine, ops["uncached"]).seconds for i in range(n)]
     cached = [predict(prefill_cost(cfg, p0), machine, ops["prefill"]).seconds] + [

@@ -59,11 +59,9 @@ def interleaved_samples(
 ) -> dict[str, list[float]]:
     """Seconds per call of each zero-argument function, `repeats` rounds of one call each, after `warmup` rounds.
 
-    The functions take turns within every round, so a busy moment on the machine hits all of them alike,
-    and sample i of every function comes from the same round (ratios per round are fair). `threads`
-    sets torch's CPU thread count for the timing only (restored afterwards); None leaves it alone.
-    `clock`: wall time by default; `time.process_time` counts only this process's CPU time, which on a
-    machine shared with other jobs leaves out the time the scheduler gives to them.
+    The functions take turns within every round, so a busy moment hits all alike and sample i of each comes from
+    the same round. `threads` sets torch's thread count for the timing only; `clock` is the wall clock by default
+    (`time.process_time`: this process's CPU time only).
     """
     if repeats <= 0 or warmup < 0:
         fail("repeats, warmup", "> 0 and >= 0", f"{repeats}, {warmup}")
