@@ -15,6 +15,7 @@ treats as a symbol. The test command proves the eager step equal to the model (f
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +44,13 @@ class FusedDecode:
     `prefill(ids)` fills the buffers with the model's own pass; `step(ids [B, 1]) -> logits [B, V]`
     decodes one position, writes its K/V at `self.position` and advances it. `step_fn` is the
     pure function of (ids, position, number of keys) the compiler sees; `compiled()` swaps in
-    its compiled form and returns the seconds the first call took.
+    its compiled form and returns the seconds the first call took. A fused weight keeps the
+    storage order of its first part, or is stored column by column where `by_column(out, in)`
+    says so for its own shape (the benchmark passes its layout rule, `labcode.bench.layout`).
     """
 
-    def __init__(self, model: GPT, capacity: int | None = None, batch: int = 1, concat: bool = False) -> None:
+    def __init__(self, model: GPT, capacity: int | None = None, batch: int = 1, concat: bool = False,
+                 by_column: Callable[[int, int], bool] | None = None) -> None:
         cfg = model.cfg
         if cfg.sliding_window is not None or cfg.kv_latent is not None:
             fail("FusedDecode model", "full attention with K/V heads (no sliding window, no latent)",
@@ -61,9 +65,10 @@ class FusedDecode:
         def w(t):
             return None if t is None else t.detach()
 
-        def cat(*ts):  # fused weights keep the storage order of their parts (`labcode.bench.layout`)
+        def cat(*ts):  # a fused weight: its first part's storage order, or by column where `by_column` says
             out = torch.cat([t.detach() for t in ts])
-            return out.t().contiguous().t() if ts[0].dim() == 2 and ts[0].stride(0) == 1 else out
+            column = out.dim() == 2 and (ts[0].stride(0) == 1 or (by_column is not None and by_column(*out.shape)))
+            return out.t().contiguous().t() if column else out
 
         self.layers = []
         with torch.no_grad():

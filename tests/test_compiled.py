@@ -64,6 +64,22 @@ def test_fused_step_from_an_empty_buffer_equals_the_full_pass():
     assert (got - full[0]).abs().max() <= TOL64
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_fused_weights_are_stored_by_column_where_the_rule_says_with_the_same_logits(name):
+    model = _model(name)
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        full = model(ids)
+    wide = FusedDecode(model, by_column=lambda n_out, n_in: n_out > n_in)
+    for kept, lay in zip(FusedDecode(model).layers, wide.layers, strict=True):
+        for key in ("qkv", "up") if wide.swiglu else ("qkv",):  # the fused weights (GELU's up is one weight)
+            assert kept[key][0].stride(1) == 1  # the parts' order: row by row
+            assert lay[key][0].stride(0) == 1 and torch.equal(lay[key][0], kept[key][0])  # by column, same values
+    wide.prefill(ids[:, :4])
+    worst = max(float((wide.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(4, 12))
+    assert worst <= TOL64
+
+
 def test_a_wrong_fused_weight_moves_the_logits():
     """A planted bug (the K half of the fused projection zeroed) is caught by the comparison above."""
     model = _model("gpt2")

@@ -16,7 +16,7 @@ import torch
 
 from labcode.bench.common import TIMED, Sizes, bar, random_model
 from labcode.bench.floor import LeanDecode, step_bytes
-from labcode.bench.layout import row_major_copy, store_wide_weights_by_column
+from labcode.bench.layout import by_column, row_major_copy, store_wide_weights_by_column
 from labcode.bench.roofline import fill_cache
 from labcode.bench.timing import Streamer, median, profiled, rotated, timed_cpu
 from labcode.caches import WindowCache
@@ -118,13 +118,13 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
     positions = [p for p in positions if p + steps + 2 <= capacity - 3]
     runners = {"eager model": _ModelStep(model, capacity),
                **{n: _ModelStep(model, capacity, step) for n, step in (extra or {}).items()},
-               "fused eager": FusedDecode(model, capacity)}
+               "fused eager": FusedDecode(model, capacity, by_column=by_column)}
     compile_s = {}
     if compile:
-        runners["compiled"] = FusedDecode(model, capacity)
+        runners["compiled"] = FusedDecode(model, capacity, by_column=by_column)
         compile_s["compiled"] = runners["compiled"].compiled()
     if compile and concat:
-        runners["compiled concat"] = FusedDecode(model, capacity, concat=True)
+        runners["compiled concat"] = FusedDecode(model, capacity, concat=True, by_column=by_column)
         compile_s["compiled concat"] = runners["compiled concat"].compiled()
     names = list(runners)
     diffs = _logit_diffs(model, runners, positions[-1])
@@ -205,7 +205,7 @@ def float64_check(model: GPT, prompt: int = 5, steps: int = 6, compile: bool = T
     ids, ref = _history(model, prompt + steps, 0)
     out = {}
     for concat in (False, True):
-        f = FusedDecode(model, prompt + steps + 3, concat=concat)
+        f = FusedDecode(model, prompt + steps + 3, concat=concat, by_column=by_column)
         seconds = f.compiled() if compile else 0.0
         out["concat" if concat else "window"] = {"max_logit_diff": _off(f, ids, ref, prompt), "compile_s": seconds}
     return out
