@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from labcode.bench.common import TIMED, Sizes, bar
+from labcode.bench.layout import weight_shapes
 from labcode.bench.roofline import fill_cache
 from labcode.bench.timing import Streamer, median, per_call, profiled, rotated, rotating_medians, timed_cpu
 from labcode.caches import ConcatCache, WindowCache
+from labcode.config import get_config
 from labcode.generate import decode_step
 from labcode.model import GPT, attend, rotate
 from labcode.results import QAResult
@@ -379,13 +381,12 @@ def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
 
 def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: bool) -> dict:
     """Decode against the bandwidth floor operation by operation, and window against concat; return the layout
-    each weight shape's product streams fastest in (the lean step's, timed whole in `compiled`)."""
+    each weight shape's product streams fastest in (the lean step's, timed whole in `compiled`). The layouts are
+    timed for every shape of weight of the floor's model and of every model whose whole steps are timed."""
     streamer = Streamer(sizes.bandwidth_mbytes, device)
     bw = streamer.measure()
-    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n})
-    fused = {(model.cfg.n_heads * model.cfg.head_dim + 2 * model.cfg.n_kv_heads * model.cfg.head_dim,
-              model.cfg.d_model)}
-    products = product_variants(sorted(set(shapes) | fused), device, min_mbytes=sizes.bandwidth_mbytes // 2)
+    shapes = set().union(*(weight_shapes(get_config(p)) for p in {sizes.floor_preset, *sizes.compiled_presets}))
+    products = product_variants(sorted(shapes), device, min_mbytes=sizes.bandwidth_mbytes // 2)
     layouts = {tuple(r["shape"]): r["best_addmv_layout"] for r in products}
     lean = LeanDecode(model, lean=True, layouts=layouts)
     bandwidth = {"wall": bw["best"], "cpu": bw["best_cpu"]}

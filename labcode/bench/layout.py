@@ -3,7 +3,8 @@
 Introduced in chapter 7. A decode step multiplies one row by each weight matrix, so it runs
 at the speed the weights stream from memory. For wide matrices [out, in] with out > in (the
 tied head above all) the BLAS product reads W^T stored contiguously markedly faster than W
-stored row by row. The model itself keeps PyTorch's default layout; the benchmark applies this.
+stored row by row. The model itself keeps PyTorch's default layout; the benchmark applies this,
+and its record's layout table times both layouts for every shape of weight it times.
 """
 
 from __future__ import annotations
@@ -13,14 +14,27 @@ import copy
 import torch
 from torch import nn
 
+from labcode.config import GPTConfig
 from labcode.model import GPT
 
-WIDE_MIN_ELEMENTS = 1 << 20  # smaller matrices keep the default layout (so the tiny model is untouched)
+WIDE_MIN_ELEMENTS = 1 << 16  # smaller matrices keep the default layout: the tiny model's, which its caches hold
 
 
 def by_column(n_out: int, n_in: int, min_elements: int = WIDE_MIN_ELEMENTS) -> bool:
     """Whether the benchmark stores a weight [n_out, n_in] column by column: wide and large."""
     return n_out > n_in and n_out * n_in >= min_elements
+
+
+def weight_shapes(cfg: GPTConfig) -> set[tuple[int, int]]:
+    """The shapes [out, in] of a decode step's products with weights for a model of `cfg`: every weight matrix
+    but the position table, and the stacked ones of the fused step (Q/K/V, SwiGLU's gate and up)."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = GPT(cfg)
+    shapes = {tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n}
+    shapes.add((cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim, cfg.d_model))
+    if cfg.mlp == "swiglu":
+        shapes.add((2 * cfg.d_ff, cfg.d_model))
+    return shapes
 
 
 def store_wide_weights_by_column(model: GPT, min_elements: int = WIDE_MIN_ELEMENTS) -> GPT:
