@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from labcode.config import GPTConfig
+from labcode.fused import FusedDecode
 from labcode.model import GPT
 
 WIDE_MIN_ELEMENTS = 1 << 16  # smaller matrices keep the default layout: the tiny model's, which its caches hold
@@ -27,14 +28,13 @@ def by_column(n_out: int, n_in: int, min_elements: int = WIDE_MIN_ELEMENTS) -> b
 
 def weight_shapes(cfg: GPTConfig) -> set[tuple[int, int]]:
     """The shapes [out, in] of a decode step's products with weights for a model of `cfg`: every weight matrix
-    but the position table, and the stacked ones of the fused step (Q/K/V, SwiGLU's gate and up)."""
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
+    but the position table, and the stacked ones of the fused step (Q/K/V, SwiGLU's gate and up), read off the
+    model and its `FusedDecode` built on the meta device (shapes only: no memory, no initialisation)."""
+    with torch.device("meta"):
         model = GPT(cfg)
+    fused = FusedDecode(model, 1)
     shapes = {tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n}
-    shapes.add((cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim, cfg.d_model))
-    if cfg.mlp == "swiglu":
-        shapes.add((2 * cfg.d_ff, cfg.d_model))
-    return shapes
+    return shapes | {tuple(layer[k][0].shape) for layer in fused.layers for k in ("qkv", "out", "up", "down")}
 
 
 def store_wide_weights_by_column(model: GPT, min_elements: int = WIDE_MIN_ELEMENTS) -> GPT:
