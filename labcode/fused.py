@@ -8,12 +8,16 @@ preallocated buffer per layer, the new position is written in place, and one que
 through `scaled_dot_product_attention`. Its shapes depend only on the batch, the capacity
 and the number of keys read, so `torch.compile` turns the whole step into one graph that
 inductor fuses (`compiled()`), recompiling for nothing but a new number of keys, which it
-treats as a symbol. The test command proves the eager step equal to the model (float64,
-1e-12); the benchmark (`labcode.bench.compiled`) times it eager and compiled.
+treats as a symbol; by default with its weights frozen into the graph and packed for the
+matrix-vector kernels inductor picks (`packing`). The test command proves the eager step
+equal to the model (float64, 1e-12), with its weights held as the constants a packed compile
+takes too; the benchmark (`labcode.bench.compiled`) times it eager and compiled, with its
+weights as stored and packed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -36,6 +40,19 @@ def _rotate_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def packing():
+    """Inductor's freezing and its kernel choice (`max_autotune`), for the block in which a compiled function traces and
+    compiles: the parameters it reads become constants of its graph, and each weight of a product is packed once
+    into the order its chosen kernel streams (a library product reads a weight as it is stored). Dynamo reads the
+    setting while it traces, so the block must hold the first call (and any call that recompiles). The kernels it
+    writes are named for the profiler (`cpp.enable_kernel_profile`), as the library's products are, and the timings
+    of its choice are not printed."""
+    import torch._inductor.config as inductor
+
+    return inductor.patch({"freezing": True, "max_autotune": True, "cpp.enable_kernel_profile": True,
+                           "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False})
 
 
 class FusedDecode:
@@ -185,20 +202,38 @@ class FusedDecode:
             x = x + F.linear(up, *lay["down"])
         return F.linear(_norm(x, *self.lnf, eps, rms), self.emb)  # (B, V), the tied head
 
+    def freeze_weights(self) -> None:
+        """Hold every weight as a parameter that needs no gradient (the same tensors, not copies): what inductor's
+        freezing takes as a constant of the graph. The buffers and the rotary angles stay inputs."""
+        def const(t):
+            return t if t is None or isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+
+        for lay in self.layers:
+            for key in ("ln1", "ln2", "qkv", "out", "up", "down"):
+                lay[key] = tuple(const(t) for t in lay[key])
+        self.lnf, self.emb, self.pos_emb = tuple(const(t) for t in self.lnf), const(self.emb), const(self.pos_emb)
+
     @torch.inference_mode()
-    def compiled(self, mode: str | None = None) -> float:
+    def compiled(self, mode: str | None = None, packed: bool = True) -> float:
         """Compile `step_fn` (inductor, the number of keys a symbol); return the seconds its first two calls took.
 
-        They run at two scratch positions near the end, then the buffers and the position are put back."""
+        `packed`: the weights are frozen into the graph (`freeze_weights`, `packing`), and inductor stores each once,
+        at compile time, in the blocked order of its own matrix-vector kernel, which it picks where it is faster than
+        the library's. The first calls, which compile, run at two scratch positions near the end, then the buffers
+        and the position are put back; a later call that recompiled (a number of keys below 2) would get a graph
+        without packing."""
         # every FusedDecode compiles the same code for its own tensors: room for all of them in the code cache
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        if packed:
+            self.freeze_weights()
         self.fn = torch.compile(self.step_fn, dynamic=True, mode=mode, fullgraph=True)
         keep, position = [t.clone() for t in self.full[0] + self.full[1]], self.position
         ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.model.device)
         t0 = time.perf_counter()
-        for n in (self.capacity - 3, self.capacity - 2):
-            self.reset(n)
-            self.step(ids)
+        with packing() if packed else contextlib.nullcontext():
+            for n in (self.capacity - 3, self.capacity - 2):
+                self.reset(n)
+                self.step(ids)
         seconds = time.perf_counter() - t0
         for buf, kept in zip(self.full[0] + self.full[1], keep, strict=True):
             buf.copy_(kept)

@@ -80,6 +80,34 @@ def test_fused_weights_are_stored_by_column_where_the_rule_says_with_the_same_lo
     assert worst <= TOL64
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_frozen_weights_are_the_same_tensors_as_constants_with_the_same_logits(name):
+    """What a packed compile hands inductor: every weight a parameter without a gradient, sharing its storage, and
+    the buffers and angles left as inputs; the eager step still computes the model's logits."""
+    model = _model(name)
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        full = model(ids)
+    step = FusedDecode(model)
+    before = [t for lay in step.layers for k in ("qkv", "out", "up", "down") for t in lay[k] if t is not None]
+    step.freeze_weights()
+    after = [t for lay in step.layers for k in ("qkv", "out", "up", "down") for t in lay[k] if t is not None]
+    weights = [*after, step.emb, *(t for t in step.lnf if t is not None)]
+    assert all(isinstance(t, torch.nn.Parameter) and not t.requires_grad for t in weights)
+    assert all(a.data_ptr() == b.data_ptr() and torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert not any(isinstance(t, torch.nn.Parameter) for t in (*step.k, *step.v))
+    step.prefill(ids[:, :4])
+    worst = max(float((step.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(4, 12))
+    assert worst <= TOL64
+
+
+def test_the_streamer_reads_every_way_and_the_floor_takes_the_fastest():
+    got = Streamer(1, torch.device("cpu")).measure(repeats=1)
+    ways = ("row_major", "col_major", "sum")  # `packed` compiles: the full benchmark's only
+    assert set(got) == {*ways, *(f"{w}_cpu" for w in ways), "best", "best_cpu"}
+    assert got["best"] == max(got[w] for w in ways) and got["best_cpu"] == max(got[f"{w}_cpu"] for w in ways)
+
+
 def test_a_wrong_fused_weight_moves_the_logits():
     """A planted bug (the K half of the fused projection zeroed) is caught by the comparison above."""
     model = _model("gpt2")

@@ -47,7 +47,8 @@ def fresh_compile_cache():
 # ---------------------------------------------------------------------------------------------------------------
 # The benchmark: the model's eager step, its variants, the fused step eager and compiled, against the floor.
 
-VARIANTS = ("eager model", "row-major weights", "products only", "lean", "fused eager", "compiled", "compiled concat")
+VARIANTS = ("eager model", "row-major weights", "products only", "lean", "fused eager", "compiled unpacked", "compiled",
+            "compiled concat")
 
 
 class _ModelStep:
@@ -89,15 +90,17 @@ def fused_step(model: GPT, capacity: int, concat: bool = False) -> FusedDecode:
 def profile_step(runner, position: int, steps: int = 3) -> dict:
     """Seconds per step of each kind of operation in `runner`'s step at `position`, from torch.profiler's table.
 
-    Products with weights are the addmm/mm calls, attention the SDPA kernels (or the eager model's bmm and
-    softmax); the rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
+    Products with weights are the addmm/mm calls (the packed weights' products too: MKL's, and the kernels inductor
+    writes for them, which `packing` names for the profiler), attention the SDPA kernels (or the eager model's bmm
+    and softmax); the rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
     _start(runner, position)
     ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
     averages, wall = profiled(lambda: runner.step(ids), steps, runner.model.device)
     kinds = {"products with weights": 0.0, "attention": 0.0}
     for e in averages:
         name = e.key
-        if name in ("aten::addmm", "aten::mm", "aten::addmv", "aten::mv"):
+        if name in ("aten::addmm", "aten::mm", "aten::addmv", "aten::mv", "mkl::_mkl_linear") or (
+                "_gemm_" in name and name.endswith("_kernel")):  # the library's, or inductor's on packed weights
             kinds["products with weights"] += e.self_cpu_time_total / 1e6 / steps
         elif "scaled_dot_product" in name or "flash_attention" in name or name in ("aten::bmm", "aten::_softmax"):
             kinds["attention"] += e.self_cpu_time_total / 1e6 / steps
@@ -111,12 +114,13 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
     """The decode step of `model` several ways, side by side, against the floor of the bytes it must read.
 
     The variants are the model's eager step, the steps in `extra` (anything `decode_step` runs like the model),
-    the fused step eager and compiled (`compile=False`: the test command never compiles), and the compiled
-    concatenating step (`concat`). In each round, at each position, they take `steps` steps interleaved in an
-    order that rotates every step, on the wall clock and in CPU time, and the bandwidth is measured again: a
-    step's floor is its bytes over it. Returns medians per position (seconds, tokens/s, bytes/s, ratio to the
-    floor), the compile seconds, each variant's largest logit difference from the model's full pass, and the
-    model's step and the fastest one taken apart by kind of operation at the middle position.
+    the fused step eager and compiled, with its weights as stored and packed (`compile=False`: the test command
+    never compiles), and the compiled concatenating step (`concat`, packed). In each round, at each position,
+    they take `steps` steps interleaved in an order that rotates every step, on the wall clock and in CPU time,
+    and the bandwidth is measured again: a step's floor is its bytes over it. Returns medians per position
+    (seconds, tokens/s, bytes/s, ratio to the floor), the compile seconds, each variant's largest logit
+    difference from the model's full pass, and the model's step and the fastest one taken apart by kind of
+    operation at the middle position.
     """
     cfg = model.cfg
     capacity = min(cfg.context_length, capacity or cfg.context_length)
@@ -125,7 +129,9 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
                **{n: _ModelStep(model, capacity, step) for n, step in (extra or {}).items()},
                "fused eager": fused_step(model, capacity)}
     compile_s = {}
-    if compile:
+    if compile:  # the library's products on the weights as stored, then inductor's own on the weights packed for it
+        runners["compiled unpacked"] = fused_step(model, capacity)
+        compile_s["compiled unpacked"] = runners["compiled unpacked"].compiled(packed=False)
         runners["compiled"] = fused_step(model, capacity)
         compile_s["compiled"] = runners["compiled"].compiled()
     if compile and concat:
@@ -236,7 +242,7 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool, la
     """The model's eager step and the fused step eager and compiled (from an empty compile cache) against the floor,
     at every preset; at `sizes.floor_preset` also its tensor operations alone and the lean step with `layouts`, and
     there and at `sizes.row_major_presets` the model with every weight row-major."""
-    streamer = Streamer(sizes.bandwidth_mbytes, device)
+    streamer = Streamer(sizes.bandwidth_mbytes, device, packed=sizes.compile)
     runs = {}
     presets = list(dict.fromkeys((*sizes.compiled_presets, sizes.floor_preset)))
     with fresh_compile_cache():

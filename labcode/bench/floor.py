@@ -383,7 +383,7 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: b
     """Decode against the bandwidth floor operation by operation, and window against concat; return the layout
     each weight shape's product streams fastest in (the lean step's, timed whole in `compiled`). The layouts are
     timed for every shape of weight of the floor's model and of every model whose whole steps are timed."""
-    streamer = Streamer(sizes.bandwidth_mbytes, device)
+    streamer = Streamer(sizes.bandwidth_mbytes, device, packed=sizes.compile)
     bw = streamer.measure()
     shapes = set().union(*(weight_shapes(get_config(p)) for p in {sizes.floor_preset, *sizes.compiled_presets}))
     products = product_variants(sorted(shapes), device, min_mbytes=sizes.bandwidth_mbytes // 2)

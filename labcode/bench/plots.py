@@ -252,16 +252,18 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
 
 def plot_compiled(values: dict, target: float = 1.3) -> Figure:
     """The decode step over its floor at every preset (the worst measured position): the model's eager step,
-    the fused step eager, and compiled where it was."""
+    the fused step eager, and compiled where it was, with its weights as stored and packed."""
     runs = values["compiled"]["runs"]
     presets = list(runs)
-    names = [n for n in ("eager model", "fused eager", "compiled") if all(n in r["variants"] for r in runs.values())]
+    names = [n for n in ("eager model", "fused eager", "compiled unpacked", "compiled")
+             if all(n in r["variants"] for r in runs.values())]
     fig, ax = figure(height=1.2 + 0.9 * len(presets))
     h = 0.8 / len(names)
     for i, (name, color) in enumerate(zip(names, SERIES, strict=False)):
         y = [k + (i - (len(names) - 1) / 2) * h for k in range(len(presets))]
         ax.barh(y, [max(runs[p]["variants"][name]["over_floor"]) for p in presets], height=h * 0.9, color=color,
-                label={"eager model": "the model, eager"}.get(name, name))
+                label={"eager model": "the model, eager", "compiled unpacked": "compiled, weights as stored",
+                       "compiled": "compiled, weights packed"}.get(name, name))
     ax.axvline(target, color=TARGET, ls="--", lw=1.2, label=f"target {target}x")
     ax.axvline(1.0, color=INK, lw=1)
     ax.set(xscale="log", xlabel="step time / floor (worst position)", yticks=range(len(presets)),

@@ -165,9 +165,15 @@ def op_overhead(device: torch.device, dtype: torch.dtype = torch.float32) -> dic
 
 
 class Streamer:
-    """Large matrix-vector products whose matrix is far bigger than the caches: their speed is memory bandwidth."""
+    """Reads of a matrix far bigger than the caches, several ways; the fastest is the memory bandwidth the floor uses.
 
-    def __init__(self, mbytes: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    The ways: a matrix-vector product with the matrix stored row by row, the same by column, a sum of every
+    element, and, with `packed` (it compiles: the benchmark's full run only), the product compiled with the
+    matrix packed for inductor's own kernel (`labcode.fused.packing`), the way the compiled decode step reads its
+    weights. A floor that a step's own kind of read could beat would not be a floor."""
+
+    def __init__(self, mbytes: int, device: torch.device, dtype: torch.dtype = torch.float32,
+                 packed: bool = False) -> None:
         cols = 4096
         rows = max(256, mbytes * 2**20 // (cols * torch.finfo(dtype).bits // 8))
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -175,22 +181,40 @@ class Streamer:
         self.col_major = self.row_major.t().contiguous().t()  # same values, stored column by column
         self.x = torch.randn(cols, generator=gen, dtype=dtype).to(device)
         self.device = device
+        self.ways = {"row_major": lambda: torch.mv(self.row_major, self.x),
+                     "col_major": lambda: torch.mv(self.col_major, self.x), "sum": lambda: self.row_major.sum()}
+        if packed:
+            self.ways["packed"] = self._packed()
+
+    def _packed(self) -> Callable[[], torch.Tensor]:
+        from labcode.fused import packing
+
+        weight = torch.nn.Parameter(self.row_major, requires_grad=False)  # a constant of the graph, packed there
+        product = torch.compile(lambda x: torch.nn.functional.linear(x, weight))
+        x = self.x.unsqueeze(0)
+        with torch.inference_mode(), packing():
+            product(x)
+
+        def read() -> torch.Tensor:
+            with torch.inference_mode():  # the mode it was compiled in: another would compile it again
+                return product(x)
+
+        return read
 
     @property
     def nbytes(self) -> int:
         return self.row_major.nbytes
 
     def measure(self, repeats: int = 3) -> dict[str, float]:
-        """Bytes per second of a matrix-vector product, each storage order, median of `repeats`.
+        """Bytes per second of each way of reading the matrix, median of `repeats`.
 
-        Keys: `row_major`, `col_major`, `best` (wall clock) and the same with `_cpu` (CPU time).
-        """
+        Keys: each way's name (`row_major`, `col_major`, `sum`, `packed` where compiled) and `best` (wall clock), and
+        the same with `_cpu` (CPU time)."""
         out = {}
-        for name in ("row_major", "col_major"):
-            w = getattr(self, name)
-            runs = [timed_cpu(lambda w=w: torch.mv(w, self.x), self.device) for _ in range(repeats)]
+        for name, way in self.ways.items():
+            runs = [timed_cpu(way, self.device) for _ in range(repeats)]
             out[name] = self.nbytes / median([wall for wall, _ in runs])
             out[f"{name}_cpu"] = self.nbytes / max(median([cpu for _, cpu in runs]), 1e-9)
-        out["best"] = max(out["row_major"], out["col_major"])
-        out["best_cpu"] = max(out["row_major_cpu"], out["col_major_cpu"])
+        out["best"] = max(out[name] for name in self.ways)
+        out["best_cpu"] = max(out[f"{name}_cpu"] for name in self.ways)
         return out
