@@ -2,7 +2,7 @@
 # Regenerate every committed QA result, then re-execute the pages that read them.
 #
 #   bash scripts/regenerate_results.sh           # every QA notebook's result (a few minutes)
-#   bash scripts/regenerate_results.sh --bench   # and the benchmarks too (10 to 20 minutes more)
+#   bash scripts/regenerate_results.sh --bench   # and the benchmarks too (15 to 25 minutes more)
 #   bash scripts/regenerate_results.sh --llamacpp   # and time the llama.cpp build, then run llama.cpp on the real model
 #   bash scripts/regenerate_results.sh --long       # and the long records (tens of minutes)
 #

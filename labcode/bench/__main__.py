@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
                       help="small sizes, about five minutes on one core, most of them compiling (the default)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="the sizes the book reports (10 to 20 minutes, by the CPU)")
+                      help="the sizes the book reports (15 to 25 minutes, by the CPU)")
     mode.add_argument("--test", dest="mode", action="store_const", const="test", help="tiny sizes, a few seconds")
     parser.add_argument("--out", default=None, help="result file (default: qa/results/bench.json for --full, "
                         "qa/_runs/bench_<mode>.json otherwise, so a quick run never replaces the book's numbers)")
