@@ -106,6 +106,10 @@ def test_the_streamer_reads_every_way_and_the_floor_takes_the_fastest():
     ways = ("row_major", "col_major", "sum")  # `packed` compiles: the full benchmark's only
     assert set(got) == {*ways, *(f"{w}_cpu" for w in ways), "best", "best_cpu"}
     assert got["best"] == max(got[w] for w in ways) and got["best_cpu"] == max(got[f"{w}_cpu"] for w in ways)
+    streamer = Streamer(1, torch.device("cpu"))
+    streamer.ways["instant"] = lambda: None  # a way that reads nothing: the fastest, so the floor's
+    got = streamer.measure(repeats=1)
+    assert got["best"] == got["instant"] and got["best_cpu"] == got["instant_cpu"]
 
 
 def test_a_wrong_fused_weight_moves_the_logits():
