@@ -38,6 +38,13 @@ def _model(name: str, seed: int = 0) -> GPT:
         return GPT(CONFIGS[name]).double().eval()
 
 
+def _worst_after_prefill(step: FusedDecode, ids: torch.Tensor, full: torch.Tensor, prompt: int) -> float:
+    """The largest |logit difference| from the full pass `full` of `step`'s steps over ids[:, prompt:] after
+    prefilling the rest."""
+    step.prefill(ids[:, :prompt])
+    return max(float((step.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(prompt, ids.shape[1]))
+
+
 @pytest.mark.parametrize("concat", [False, True], ids=["window", "concat"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -75,9 +82,7 @@ def test_fused_weights_are_stored_by_column_where_the_rule_says_with_the_same_lo
         for key in ("qkv", "up") if wide.swiglu else ("qkv",):  # the fused weights (GELU's up is one weight)
             assert kept[key][0].stride(1) == 1  # the parts' order: row by row
             assert lay[key][0].stride(0) == 1 and torch.equal(lay[key][0], kept[key][0])  # by column, same values
-    wide.prefill(ids[:, :4])
-    worst = max(float((wide.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(4, 12))
-    assert worst <= TOL64
+    assert _worst_after_prefill(wide, ids, full, 4) <= TOL64
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -96,9 +101,7 @@ def test_frozen_weights_are_the_same_tensors_as_constants_with_the_same_logits(n
     assert all(isinstance(t, torch.nn.Parameter) and not t.requires_grad for t in weights)
     assert all(a.data_ptr() == b.data_ptr() and torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert not any(isinstance(t, torch.nn.Parameter) for t in (*step.k, *step.v))
-    step.prefill(ids[:, :4])
-    worst = max(float((step.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(4, 12))
-    assert worst <= TOL64
+    assert _worst_after_prefill(step, ids, full, 4) <= TOL64
 
 
 def test_the_streamer_reads_every_way_and_the_floor_takes_the_fastest():
@@ -258,7 +261,8 @@ def test_the_benchmark_times_the_layouts_side_by_side_where_asked():
     sizes = replace(SIZES["test"], compiled_presets=("micro", "tiny"), row_major_presets=("micro",),
                     floor_preset="tiny")
     res = QAResult("bench", {}, machine_dependent=True)
-    compiled.record(res, sizes, torch.device("cpu"), progress=False)
+    streamer = Streamer(sizes.bandwidth_mbytes, torch.device("cpu"))
+    compiled.record(res, sizes, torch.device("cpu"), streamer, progress=False)
     runs = res.doc["values"]["compiled"]["runs"]
     assert list(runs["micro"]["variants"]) == ["eager model", "row-major weights", "fused eager"]
     assert list(runs["tiny"]["variants"]) == ["eager model", "row-major weights", "products only", "lean",
@@ -266,5 +270,5 @@ def test_the_benchmark_times_the_layouts_side_by_side_where_asked():
     assert all(c["passed"] for c in res.doc["checks"] if c["name"].startswith("decode_step_logits_"))
     sizes = replace(sizes, row_major_presets=())
     res = QAResult("bench", {}, machine_dependent=True)
-    compiled.record(res, sizes, torch.device("cpu"), progress=False)
+    compiled.record(res, sizes, torch.device("cpu"), streamer, progress=False)
     assert list(res.doc["values"]["compiled"]["runs"]["micro"]["variants"]) == ["eager model", "fused eager"]

@@ -35,6 +35,7 @@ from labcode.bench import append, batch, compiled, correctness, floor, generatio
 from labcode.bench.common import SIZES, TIMED, Sizes, random_model
 from labcode.bench.roofline import roofline_speedup
 from labcode.bench.targets import targets
+from labcode.bench.timing import Streamer
 from labcode.results import QAResult
 from labcode.weights.checkpoint import default_device
 
@@ -53,7 +54,9 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
         section = time.perf_counter()
 
     res = QAResult("bench", {"mode": mode, "device": str(device), **asdict(sizes)}, machine_dependent=True)
-    measured = roofline.record_machine(res, sizes, device)
+    # one reader of the bandwidth for the whole run (its packed product compiles once), measured by each section
+    streamer = Streamer(sizes.bandwidth_mbytes, device, packed=sizes.compile)
+    measured = roofline.record_machine(res, sizes, device, streamer)
     lap("machine")
     append.record(res, sizes, device, progress)
     lap("append")
@@ -64,10 +67,10 @@ def run_benchmarks(mode: str = "quick", device: torch.device | None = None, prog
     batch.record(res, sizes, device, measured, models, progress)
     lap("roofline")
     model = models.get(sizes.floor_preset) or random_model(sizes.floor_preset, device)
-    layouts = floor.record(res, sizes, device, model, progress)
+    layouts = floor.record(res, sizes, device, model, streamer, progress)
     del models, model
     lap("floor")
-    compiled.record(res, sizes, device, progress, layouts)
+    compiled.record(res, sizes, device, streamer, progress, layouts)
     lap("compiled")
     memory.record(res, sizes)
     lap("memory")

@@ -238,11 +238,12 @@ def compiled_model(preset: str, device: torch.device) -> GPT:
     return random_model(preset, device)
 
 
-def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool, layouts: dict | None = None) -> None:
+def record(res: QAResult, sizes: Sizes, device: torch.device, streamer: Streamer, progress: bool,
+           layouts: dict | None = None) -> None:
     """The model's eager step and the fused step eager and compiled (from an empty compile cache) against the floor,
     at every preset; at `sizes.floor_preset` also its tensor operations alone and the lean step with `layouts`, and
-    there and at `sizes.row_major_presets` the model with every weight row-major."""
-    streamer = Streamer(sizes.bandwidth_mbytes, device, packed=sizes.compile)
+    there and at `sizes.row_major_presets` the model with every weight row-major; each round's floor is `streamer`'s
+    best read."""
     runs = {}
     presets = list(dict.fromkeys((*sizes.compiled_presets, sizes.floor_preset)))
     with fresh_compile_cache():

@@ -379,11 +379,11 @@ def profile_decode(model: GPT, position: int, steps: int = 3) -> list[dict]:
     return sorted((r for r in rows.values() if r["self_s_per_step"] > 0), key=lambda r: -r["self_s_per_step"])
 
 
-def record(res: QAResult, sizes: Sizes, device: torch.device, model, progress: bool) -> dict:
+def record(res: QAResult, sizes: Sizes, device: torch.device, model, streamer: Streamer, progress: bool) -> dict:
     """Decode against the bandwidth floor operation by operation, and window against concat; return the layout
     each weight shape's product streams fastest in (the lean step's, timed whole in `compiled`). The layouts are
-    timed for every shape of weight of the floor's model and of every model whose whole steps are timed."""
-    streamer = Streamer(sizes.bandwidth_mbytes, device, packed=sizes.compile)
+    timed for every shape of weight of the floor's model and of every model whose whole steps are timed; the floor's
+    bandwidth is `streamer`'s best read."""
     bw = streamer.measure()
     shapes = set().union(*(weight_shapes(get_config(p)) for p in {sizes.floor_preset, *sizes.compiled_presets}))
     products = product_variants(sorted(shapes), device, min_mbytes=sizes.bandwidth_mbytes // 2)

@@ -117,14 +117,12 @@ def measure_peak(device: torch.device, n: int = 1024, repeats: int = 7) -> dict:
             "cpu_flops_per_s": flops / max(median([c for _, c in runs]), 1e-9)}
 
 
-def measure_machine(device: torch.device, bandwidth_mbytes: int, overhead_preset: str = "gpt2-124m",
-                    overhead_min_s: float = 0.5, packed: bool = False) -> dict:
+def measure_machine(device: torch.device, streamer: Streamer, overhead_preset: str = "gpt2-124m",
+                    overhead_min_s: float = 0.5) -> dict:
     """The roofline's three numbers for this machine, in wall-clock and CPU time, with their raw measurements (the
-    bandwidth read every way a `Streamer` knows, the packed product too where `packed`)."""
+    bandwidth read every way `streamer` knows)."""
     peak = measure_peak(device)
-    streamer = Streamer(bandwidth_mbytes, device, packed=packed)
     bw = streamer.measure()
-    del streamer
     over = measure_overhead(get_config(overhead_preset), device, min_s=overhead_min_s)
     overlapped = device.type == "cuda"
     return {
@@ -562,12 +560,11 @@ def overhead_crossover(cfg: GPTConfig, machine: Machine, ops: int, widths: tuple
             "widths": rows, "crossover_d_model": min(above) if above else None}
 
 
-def record_machine(res: QAResult, sizes: Sizes, device: torch.device) -> dict:
+def record_machine(res: QAResult, sizes: Sizes, device: torch.device, streamer: Streamer) -> dict:
     """The machine: the fixed cost of small operations, the peak, the bandwidth and the ceilings of products of few
     rows; returns the measurements the roofline predicts with."""
     res.value("machine", {"cpu_count": os.cpu_count(), "op_overhead_us": op_overhead(device)}, TIMED)
-    measured = measure_machine(device, sizes.bandwidth_mbytes, sizes.overhead_preset, sizes.overhead_min_s,
-                               packed=sizes.compile)
+    measured = measure_machine(device, streamer, sizes.overhead_preset, sizes.overhead_min_s)
     measured["rows"] = measure_rows(device, sizes.rows_shape, min_mbytes=sizes.bandwidth_mbytes // 4)
     res.value("roofline_machine", measured, TIMED)
     return measured
