@@ -60,6 +60,14 @@ def num(value: float, digits: int = 3) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
+def num_beside(value: float, target: float, digits: int = 3) -> str:
+    """`value` as `num` writes it, with more digits (up to 6) while it would read the same as
+    `target` without being equal to it: 1.302 against a target of 1.3, not 1.3."""
+    while digits < 6 and value != target and num(value, digits) == num(target, 6):
+        digits += 1
+    return num(value, digits)
+
+
 GLUE_PREFIX = "application/papermill.record/"  # myst-nb's mime prefix of a glued, hidden output
 
 

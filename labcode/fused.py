@@ -5,14 +5,15 @@ any course model without a sliding window or a latent (GPT-2 or Llama-family, GQ
 cross-layer sharing) written the way engines write it: Q, K and V come out of one fused
 projection (and the SwiGLU gate and up of another), the keys and values live in one
 preallocated buffer per layer, the new position is written in place, and one query attends
-through `scaled_dot_product_attention`. Its shapes depend only on the batch, the capacity
-and the number of keys read, so `torch.compile` turns the whole step into one graph that
-inductor fuses (`compiled()`), recompiling for nothing but a new number of keys, which it
-treats as a symbol; by default with its weights frozen into the graph and packed for the
-matrix-vector kernels inductor picks (`packing`). The test command proves the eager step
-equal to the model (float64, 1e-12), with its weights held as the constants a packed compile
-takes too; the benchmark (`labcode.bench.compiled`) times it eager and compiled, with its
-weights as stored and packed.
+(eager through `scaled_dot_product_attention`, compiled as the reductions it is,
+`attend_by_reductions`). Its shapes depend only on the batch, the capacity and the number
+of keys read, so `torch.compile` turns the whole step into one graph that inductor fuses
+(`compiled()`); the number of keys is the one size it takes as a symbol (every other size
+stays a number, as inductor's own product kernels need), by default with the weights frozen
+into the graph and packed for the matrix-vector kernels inductor picks (`packing`). The test
+command proves the eager step equal to the model both ways of attending (float64, 1e-12),
+with its weights held as the constants a packed compile takes too; the benchmark
+(`labcode.bench.compiled`) times it eager and compiled, with its weights as stored and packed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ def _rotate_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def attend_by_reductions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query per head, q [B, H, D], against keys and values [B, Hkv, T, D] (H a multiple of Hkv, the query heads
+    of a group side by side): the scores as products summed over D, their softmax over T, and the values summed
+    with those weights over T, [B, H, D]. Written as reductions, not a library call, so that a compiler fuses the
+    three into one loop nest per layer that reads each key and value once."""
+    b, h, d = q.shape
+    hkv = k.shape[1]
+    q = (q * d**-0.5).view(b, hkv, h // hkv, 1, d)
+    p = torch.softmax((q * k.unsqueeze(2)).sum(-1), dim=-1)  # (B, Hkv, H / Hkv, T)
+    return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(-2).reshape(b, h, d)
+
+
 def packing():
     """Inductor's freezing and its kernel choice (`max_autotune`), for the block in which a compiled function traces and
     compiles: the parameters it reads become constants of its graph, and each weight of a product is packed once
@@ -60,8 +73,9 @@ class FusedDecode:
 
     `prefill(ids)` fills the buffers with the model's own pass; `step(ids [B, 1]) -> logits [B, V]`
     decodes one position, writes its K/V at `self.position` and advances it. `step_fn` is the
-    pure function of (ids, position, number of keys) the compiler sees; `compiled()` swaps in
-    its compiled form and returns the seconds the first call took. A fused weight keeps the
+    pure function of (ids, position, keys) the compiler sees; `attention` is how its query
+    attends ("sdpa", or "reductions": `attend_by_reductions`, what `compiled()` sets); `compiled()`
+    swaps in its compiled form and returns the seconds the first calls took. A fused weight keeps the
     storage order of its first part, or is stored column by column where `by_column(out, in)`
     says so for its own shape (the benchmark passes its layout rule, `labcode.bench.layout`).
     """
@@ -123,6 +137,9 @@ class FusedDecode:
             self.reset(0)
         self.gqa = bool(cfg.n_heads != hkv)  # a plain bool: the compiler must not make it a symbol
         self.position = 0
+        self.attention = "sdpa"
+        with torch.inference_mode():  # the number of keys a step reads: the length of a view of this
+            self.lengths = torch.empty(capacity, device=dev, dtype=dt)
         self.fn = self.step_fn
 
     def reset(self, position: int = 0) -> None:
@@ -158,14 +175,20 @@ class FusedDecode:
         if n >= self.capacity:
             fail("step", f"a free position (capacity {self.capacity})", f"position {n}")
         pos = torch.tensor([n], device=ids.device)  # the write position, as a tensor
-        out = self.fn(ids.clone(memory_format=torch.contiguous_format), pos, n + 1)
+        keys = self.lengths[: n + 1]  # the number of keys, as the one size the compiler takes as a symbol
+        torch._dynamo.maybe_mark_dynamic(keys, 0)
+        if self.concat:  # and the rows a concatenating step is handed
+            for t in self.k + self.v:
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+        out = self.fn(ids.clone(memory_format=torch.contiguous_format), pos, keys)
         self.position = n + 1
         return out
 
-    def step_fn(self, ids: torch.Tensor, pos: torch.Tensor, keys: int) -> torch.Tensor:
+    def step_fn(self, ids: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """The pure step: embed, every block, the head. Writes row `pos` [1] of every layer's K and V and
-        attends to the first `keys` rows (pos + 1; the compiler sees one symbol for it, not one graph per step)."""
-        cfg, eps, rms = self.cfg, self.cfg.norm_eps, self.rms
+        attends to as many rows as `keys` is long (pos + 1; the compiler sees one symbol for that length, not one
+        graph per step, and every other size as the number it is)."""
+        cfg, eps, rms, keys = self.cfg, self.cfg.norm_eps, self.rms, keys.shape[0]
         b, h, hkv, d = self.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x = F.embedding(ids[:, 0], self.emb)  # (B, C)
         if self.pos_emb is not None:
@@ -190,7 +213,10 @@ class FusedDecode:
                     self.k[slot].index_copy_(2, pos, k_new.unsqueeze(2))
                     self.v[slot].index_copy_(2, pos, v_new.unsqueeze(2))
             k_all, v_all = self.k[slot][:, :, :keys], self.v[slot][:, :, :keys]  # (B, Hkv, keys, D): views
-            y = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, enable_gqa=self.gqa)  # (B, H, 1, D)
+            if self.attention == "reductions":
+                y = attend_by_reductions(q, k_all, v_all)  # (B, H, D)
+            else:
+                y = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, enable_gqa=self.gqa)  # (B, H, 1, D)
             x = x + F.linear(y.reshape(b, h * d), *lay["out"])
             m = _norm(x, *lay["ln2"], eps, rms)
             up = F.linear(m, *lay["up"])
@@ -214,19 +240,24 @@ class FusedDecode:
         self.lnf, self.emb, self.pos_emb = tuple(const(t) for t in self.lnf), const(self.emb), const(self.pos_emb)
 
     @torch.inference_mode()
-    def compiled(self, mode: str | None = None, packed: bool = True) -> float:
+    def compiled(self, mode: str | None = None, packed: bool = True, attention: str = "reductions") -> float:
         """Compile `step_fn` (inductor, the number of keys a symbol); return the seconds its first two calls took.
 
-        `packed`: the weights are frozen into the graph (`freeze_weights`, `packing`), and inductor stores each once,
-        at compile time, in the blocked order of its own matrix-vector kernel, which it picks where it is faster than
-        the library's. The first calls, which compile, run at two scratch positions near the end, then the buffers
-        and the position are put back; a later call that recompiled (a number of keys below 2) would get a graph
-        without packing."""
+        Attention becomes `attend_by_reductions`, which inductor fuses with the softmax. `dynamic=False` keeps every
+        size fixed but the one marked dynamic, the number of keys (`dynamic=True` would make a symbol of every
+        integer the step reads, the model's width too, and so would the default once two models compiled the same
+        code; inductor's product kernels take only fixed sizes). `packed`: the weights are frozen
+        into the graph (`freeze_weights`, `packing`), and inductor stores each once, at compile time, in the blocked
+        order of its own matrix-vector kernel, which it picks where it is faster than the library's. The first calls,
+        which compile, run at two scratch positions near the end, then the buffers and the position are put back; a
+        later call that recompiled (a number of keys below 2, or every row of the buffer) would get a graph without
+        packing."""
         # every FusedDecode compiles the same code for its own tensors: room for all of them in the code cache
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if packed:
             self.freeze_weights()
-        self.fn = torch.compile(self.step_fn, dynamic=True, mode=mode, fullgraph=True)
+        self.attention = attention
+        self.fn = torch.compile(self.step_fn, dynamic=False, mode=mode, fullgraph=True)
         keep, position = [t.clone() for t in self.full[0] + self.full[1]], self.position
         ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.model.device)
         t0 = time.perf_counter()

@@ -45,15 +45,17 @@ def _worst_after_prefill(step: FusedDecode, ids: torch.Tensor, full: torch.Tenso
     return max(float((step.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(prompt, ids.shape[1]))
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "reductions"])  # eager's, and the one a compiled step runs
 @pytest.mark.parametrize("concat", [False, True], ids=["window", "concat"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_fused_step_equals_the_full_pass_in_float64(name, batch, concat):
+def test_fused_step_equals_the_full_pass_in_float64(name, batch, concat, attention):
     model = _model(name)
     ids = torch.randint(0, 50, (batch, 24), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         full = model(ids)
     step = FusedDecode(model, 30, batch=batch, concat=concat)
+    step.attention = attention
     first = step.prefill(ids[:, :5])
     assert (first - full[:, 4]).abs().max() <= TOL64
     worst = max(float((step.step(ids[:, i : i + 1]) - full[:, i]).abs().max()) for i in range(5, 24))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labcode.display import num, sig
+from labcode.display import num, num_beside, sig
 
 
 @pytest.mark.parametrize("value,digits,text", [
@@ -14,6 +14,14 @@ from labcode.display import num, sig
 ])
 def test_num_writes_significant_digits_in_full(value, digits, text):
     assert num(value, digits) == text
+
+
+@pytest.mark.parametrize(
+    "value, target, text",
+    [(1.3016, 1.3, "1.302"), (1.2443, 1.3, "1.24"), (1.3, 1.3, "1.3"), (0.99996, 1.0, "0.99996")],
+)
+def test_num_beside_never_reads_as_its_target_unless_equal(value, target, text):
+    assert num_beside(value, target) == text
 
 
 def test_num_leaves_what_needs_an_exponent_to_sig():

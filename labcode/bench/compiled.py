@@ -91,8 +91,9 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
     """Seconds per step of each kind of operation in `runner`'s step at `position`, from torch.profiler's table.
 
     Products with weights are the addmm/mm calls (the packed weights' products too: MKL's, and the kernels inductor
-    writes for them, which `packing` names for the profiler), attention the SDPA kernels (or the eager model's bmm
-    and softmax); the rest (norms, activations, the cache write, indexing) and the Python between are `other`."""
+    writes for them, which `packing` names for the profiler), attention the SDPA kernels, the eager model's bmm and
+    softmax, or the kernel inductor writes for the compiled step's (its name holds the softmax); the rest (norms,
+    activations, the cache write, indexing) and the Python between are `other`."""
     _start(runner, position)
     ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
     averages, wall = profiled(lambda: runner.step(ids), steps, runner.model.device)
@@ -102,7 +103,7 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
         if name in ("aten::addmm", "aten::mm", "aten::addmv", "aten::mv", "mkl::_mkl_linear") or (
                 "_gemm_" in name and name.endswith("_kernel")):  # the library's, or inductor's on packed weights
             kinds["products with weights"] += e.self_cpu_time_total / 1e6 / steps
-        elif "scaled_dot_product" in name or "flash_attention" in name or name in ("aten::bmm", "aten::_softmax"):
+        elif "scaled_dot_product" in name or "flash_attention" in name or "softmax" in name or name == "aten::bmm":
             kinds["attention"] += e.self_cpu_time_total / 1e6 / steps
     kinds["other"] = max(0.0, wall - sum(kinds.values()))
     return {"position": position, "step_s": wall, "s_per_step": kinds}
