@@ -240,7 +240,7 @@ class FusedDecode:
         self.lnf, self.emb, self.pos_emb = tuple(const(t) for t in self.lnf), const(self.emb), const(self.pos_emb)
 
     @torch.inference_mode()
-    def compiled(self, mode: str | None = None, packed: bool = True, attention: str = "reductions") -> float:
+    def compiled(self, mode: str | None = None, packed: bool = True) -> float:
         """Compile `step_fn` (inductor, the number of keys a symbol); return the seconds its first two calls took.
 
         Attention becomes `attend_by_reductions`, which inductor fuses with the softmax. `dynamic=False` keeps every
@@ -256,7 +256,7 @@ class FusedDecode:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if packed:
             self.freeze_weights()
-        self.attention = attention
+        self.attention = "reductions"
         self.fn = torch.compile(self.step_fn, dynamic=False, mode=mode, fullgraph=True)
         keep, position = [t.clone() for t in self.full[0] + self.full[1]], self.position
         ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.model.device)
