@@ -1,27 +1,19 @@
 """The benchmark suite of chapter 7: `python -m labcode.bench [--quick|--full]`.
 
-Introduced in chapter 7. One module per measurement, each with a `record` that adds its
-values to the result; every measurement runs in one process, interleaved, after a warm-up,
-summarised by medians and ratios:
-  1. the machine: the fixed cost per operation, the peak, the bandwidth, products of few
-     rows (`roofline.record_machine`);
-  2. appending one position to every layer, for every cache, and append plus single-token
-     attention three ways (`append`);
+Introduced in chapter 7. One module per measurement, each with a `record` that adds its values to the result, all in
+one process, interleaved, after a warm-up, summarised by medians and ratios:
+  1. the machine: fixed cost per operation, peak, bandwidth, products of few rows (`roofline.record_machine`);
+  2. appending one position to every layer, for every cache, and append plus one query's attention (`append`);
   3. greedy generation with no cache and with every cache (`generation`);
-  4. the roofline: every prefill, decode and uncached call predicted and timed
-     (`roofline`); decode against the batch size (`batch`);
-  5. a cached decode step against the memory-bandwidth floor, operation by operation, and
-     the window cache against the concatenating one (`floor`);
-  6. whole decode steps against the floor, side by side: the model's eager step, its
-     leaner eager variants, the step fused and compiled, at every preset and the real
-     model (`compiled`; the test sizes never compile);
+  4. every prefill, decode and uncached call predicted and timed (`roofline`); decode against the batch (`batch`);
+  5. a decode step against the bandwidth floor, operation by operation; window against concat (`floor`);
+  6. whole decode steps against the floor: the model's eager step, leaner eager variants, the step fused and
+     compiled, at every preset and the real model (`compiled`; the test sizes never compile);
   7. how many sequences fit in memory, checked by allocating the caches (`memory`);
   8. the record's correctness checks (`correctness`).
-`common` holds what they share: the sizes of each mode, the random models, the rule.
-Timings are recorded, never compared: the result file is `machine_dependent`, every
-value's rule is `recorded`, its checks are about correctness only, and the targets
-are values with a `met` flag (and the measured reason where not met), computed from
-the other values by `labcode.bench.targets`; `labcode.bench.plots` draws them.
+`common` holds what they share (the sizes of each mode, the random models, the rule). Timings are recorded, never
+compared: the result file is `machine_dependent`, its checks are about correctness only, and the targets are values
+with a `met` flag and, where not met, the measured reason (`targets`); `plots` draws them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Benchmarks of appending to a cache, alone and followed by single-token attention.
 
-Introduced in chapter 7. The setup has the cache shapes of SmolLM2-135M, the course's real
-model (30 layers, 3 K/V heads, head dim 64), in float32: a prefill, then one token per decode
-step; only the cache work is timed, no model runs.
+Introduced in chapter 7. The setup has the cache shapes of SmolLM2-135M, the course's real model (30 layers, 3 K/V
+heads, head dim 64), in float32: a prefill, then one token per decode step; only the cache work is timed, no model runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,11 +43,10 @@ class CourseAppender:
     def __init__(self, cache) -> None:
         self.cache = cache
 
-    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def step(self, k: torch.Tensor, v: torch.Tensor, kv_all: torch.Tensor | None = None) -> None:
         self.cache.feed(k, v)
 
-    def step(self, k: torch.Tensor, v: torch.Tensor, kv_all: torch.Tensor) -> None:
-        self.cache.feed(k, v)
+    prefill = step  # the prompt is fed as one chunk, the way a step is
 
     def last_layer(self) -> torch.Tensor:
         """Keys of the last layer in time order, [B, Hkv, S, D]."""
@@ -60,8 +57,6 @@ class BareCat:
     """`torch.cat` per layer with nothing around it: the cost of concatenation alone."""
 
     def __init__(self, n_layers: int) -> None:
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
         self.n_layers = n_layers
 
     def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -104,11 +99,8 @@ class BareSlice:
 
 
 class FusedSlice:
-    """One buffer [L, 2, B, Hkv, N, D] and one copy per step for every layer at once.
-
-    A lower bound, not a design: in a real forward each layer's K/V exist only after
-    the layer below has run, so they cannot all be written by one call.
-    """
+    """One buffer [L, 2, B, Hkv, N, D] and one copy per step for every layer at once: a lower bound, not a design (in
+    a real forward each layer's K/V exist only after the layer below has run)."""
 
     def __init__(self, n_layers: int, capacity: int, like: torch.Tensor) -> None:
         b, hkv, _, d = like.shape
@@ -132,16 +124,12 @@ class FusedSlice:
 def make_appender(kind: str, setup: AppendSetup, like: torch.Tensor):
     """A fresh appender of `kind` (one of KINDS) able to hold prefill + decode positions."""
     cap, n = setup.prefill + setup.decode, setup.n_layers
-    makers: dict[str, Callable[[], object]] = {
-        "cat": lambda: CourseAppender(ConcatCache(n)),
-        "slice": lambda: CourseAppender(WindowCache(n, cap)),
-        "ring": lambda: CourseAppender(RingCache(n, cap)),
-        "grow_linear": lambda: CourseAppender(GrowableCache(n, setup.grow_start, "linear")),
-        "grow_double": lambda: CourseAppender(GrowableCache(n, setup.grow_start, "double")),
-        "bare_cat": lambda: BareCat(n),
-        "bare_slice": lambda: BareSlice(n, cap, like),
-        "fused_slice": lambda: FusedSlice(n, cap, like),
-    }
+    makers = {"cat": lambda: CourseAppender(ConcatCache(n)), "slice": lambda: CourseAppender(WindowCache(n, cap)),
+              "ring": lambda: CourseAppender(RingCache(n, cap)),
+              "grow_linear": lambda: CourseAppender(GrowableCache(n, setup.grow_start, "linear")),
+              "grow_double": lambda: CourseAppender(GrowableCache(n, setup.grow_start, "double")),
+              "bare_cat": lambda: BareCat(n), "bare_slice": lambda: BareSlice(n, cap, like),
+              "fused_slice": lambda: FusedSlice(n, cap, like)}
     return makers[kind]()
 
 
@@ -158,13 +146,17 @@ def _step_data(setup: AppendSetup, device: torch.device, dtype: torch.dtype, see
     return (k0, v0), steps
 
 
+def _medians(setup: AppendSetup, times: dict) -> dict:
+    """The setup, the cache length after each step, and the median seconds of each step and overall per contender."""
+    per_step = {n: [median(ts) for ts in t] for n, t in times.items()}
+    return {"setup": asdict(setup), "cache_length": [setup.prefill + i + 1 for i in range(setup.decode)],
+            "per_step_s": per_step, "median_step_s": {n: median(s) for n, s in per_step.items()}}
+
+
 def bench_append(setup: AppendSetup, kinds: list[str], rounds: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, progress=None) -> dict:
-    """Per-step seconds of appending one position to all layers, for each kind, interleaved step by step.
-
-    Round 0 is a warm-up and is discarded; each appender is rebuilt every round.
-    Returns cache lengths, per-step medians over rounds, overall medians and a content check.
-    """
+    """Per-step seconds of appending one position to all layers, for each kind, interleaved step by step, each
+    appender rebuilt every round after a discarded warm-up round. Returns `_medians` and a content check."""
     (k0, v0), steps = _step_data(setup, device, dtype)
     times = {kind: [[] for _ in steps] for kind in kinds}
     max_diff = 0.0
@@ -182,21 +174,11 @@ def bench_append(setup: AppendSetup, kinds: list[str], rounds: int, device: torc
         ref = apps[kinds[0]].last_layer()
         max_diff = max([max_diff] + [float((a.last_layer() - ref).abs().max()) for a in apps.values()])
         del apps
-    per_step = {kind: [median(ts) for ts in times[kind]] for kind in kinds}
-    return {
-        "setup": asdict(setup),
-        "cache_length": [setup.prefill + i + 1 for i in range(setup.decode)],  # keys held after the step
-        "per_step_s": per_step,
-        "median_step_s": {kind: median(per_step[kind]) for kind in kinds},
-        "max_content_diff": max_diff,
-    }
+    return {**_medians(setup, times), "max_content_diff": max_diff}
 
 
-ATTENTION = {
-    "repeat_kv": repeat_kv_attention,
-    "gqa": lambda q, k, v: attend(q, k, v, None),
-    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-}
+ATTENTION = {"repeat_kv": repeat_kv_attention, "gqa": lambda q, k, v: attend(q, k, v, None),
+             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
 
 
 def bench_append_attention(setup: AppendSetup, caches: list[str], rounds: int, device: torch.device,
@@ -211,7 +193,7 @@ def bench_append_attention(setup: AppendSetup, caches: list[str], rounds: int, d
     for r in range(rounds + 1):
         cache_objs = {combo: make_appender(combo.split("/")[0], setup, k0).cache for combo in combos}
         for cache in cache_objs.values():
-            CourseAppender(cache).prefill(k0, v0)
+            cache.feed(k0, v0)
         for i, (k, v, _) in enumerate(steps):
             for combo in rotated(combos, i + r):
                 cache, method = cache_objs[combo], ATTENTION[combo.split("/")[1]]
@@ -228,14 +210,7 @@ def bench_append_attention(setup: AppendSetup, caches: list[str], rounds: int, d
             if progress is not None:
                 progress.update(1)
     ref = outputs[combos[0]]
-    per_step = {combo: [median(ts) for ts in times[combo]] for combo in combos}
-    return {
-        "setup": asdict(setup),
-        "cache_length": [setup.prefill + i + 1 for i in range(setup.decode)],
-        "per_step_s": per_step,
-        "median_step_s": {combo: median(per_step[combo]) for combo in combos},
-        "max_output_diff": max(float((o - ref).abs().max()) for o in outputs.values()),
-    }
+    return {**_medians(setup, times), "max_output_diff": max(float((o - ref).abs().max()) for o in outputs.values())}
 
 
 def record(res: QAResult, sizes: Sizes, device: torch.device, progress: bool) -> None:

@@ -90,7 +90,6 @@ def critical_batch_curve(cfg, machine: Machine, contexts: list[int], kv_heads: t
     return out
 
 
-
 def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, models: dict, progress: bool) -> None:
     """Decode against the batch size at each of `sizes.batch_runs`, with the critical batch against the context."""
     wall = machine_of(measured)

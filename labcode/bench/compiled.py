@@ -1,9 +1,8 @@
 """Whole decode steps against the floor of the bytes they read, side by side, eager and compiled.
 
-Introduced in chapter 7. `bench_compiled` times the model's own eager step, the eager
-variants of `labcode.bench.floor` at the floor's preset, and the course's fused step
-(`labcode.fused.FusedDecode`) eager and compiled, in the same rounds; `record` runs it for
-every preset and the real model, with an empty compile cache.
+Introduced in chapter 7. `bench_compiled` times the model's own eager step, the eager variants of `labcode.bench.floor`
+at the floor's preset, and the course's fused step (`labcode.fused.FusedDecode`) eager and compiled, in the same rounds;
+`record` runs it for every preset and the real model, with an empty compile cache.
 """
 
 from __future__ import annotations
@@ -37,24 +36,14 @@ def fresh_compile_cache():
         try:
             yield
         finally:
-            if keep is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            if keep is not None:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = keep
 
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# The benchmark: the model's eager step, its variants, the fused step eager and compiled, against the floor.
-
-VARIANTS = ("eager model", "row-major weights", "products only", "lean", "fused eager", "compiled unpacked", "compiled",
-            "compiled concat")
-
-
 class _ModelStep:
-    """A decode step through the course's `WindowCache`, restartable at a position: the model's own
-    (`decode_step(model)`), or `step`'s, anything `decode_step` runs like the model (a copy with other weight
-    layouts, a `LeanDecode`); the prompt is always the model's pass."""
+    """A decode step through the course's `WindowCache`, restartable at a position: the model's own, or that of `step`
+    (anything `decode_step` runs like the model: a copy in other layouts, a `LeanDecode`); the prompt is the model's."""
 
     def __init__(self, model: GPT, capacity: int, step=None) -> None:
         self.model, self.cache = model, WindowCache(model.cfg.kv_layers, capacity)
@@ -88,12 +77,9 @@ def fused_step(model: GPT, capacity: int, concat: bool = False) -> FusedDecode:
 
 
 def profile_step(runner, position: int, steps: int = 3) -> dict:
-    """Seconds per step of each kind of operation in `runner`'s step at `position`, from torch.profiler's table.
-
-    Products with weights are the addmm/mm calls (the packed weights' products too: MKL's, and the kernels inductor
-    writes for them, which `packing` names for the profiler), attention the SDPA kernels, the eager model's bmm and
-    softmax, or the kernel inductor writes for the compiled step's (its name holds the softmax); the rest (norms,
-    activations, the cache write, indexing) and the Python between are `other`."""
+    """Seconds per step of each kind of operation in `runner`'s step at `position`, from torch.profiler's table:
+    products with weights (the library's, or inductor's on packed weights), attention (SDPA, bmm, softmax, or the
+    kernel inductor writes for it), and everything else with the Python between as `other`."""
     _start(runner, position)
     ids = torch.zeros(1, 1, dtype=torch.long, device=runner.model.device)
     averages, wall = profiled(lambda: runner.step(ids), steps, runner.model.device)
@@ -101,7 +87,7 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
     for e in averages:
         name = e.key
         if name in ("aten::addmm", "aten::mm", "aten::addmv", "aten::mv", "mkl::_mkl_linear") or (
-                "_gemm_" in name and name.endswith("_kernel")):  # the library's, or inductor's on packed weights
+                "_gemm_" in name and name.endswith("_kernel")):
             kinds["products with weights"] += e.self_cpu_time_total / 1e6 / steps
         elif "scaled_dot_product" in name or "flash_attention" in name or "softmax" in name or name == "aten::bmm":
             kinds["attention"] += e.self_cpu_time_total / 1e6 / steps
@@ -112,32 +98,24 @@ def profile_step(runner, position: int, steps: int = 3) -> dict:
 def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int, rounds: int, streamer,
                    capacity: int | None = None, concat: bool = True, compile: bool = True, extra: dict | None = None,
                    progress=None) -> dict:
-    """The decode step of `model` several ways, side by side, against the floor of the bytes it must read.
-
-    The variants are the model's eager step, the steps in `extra` (anything `decode_step` runs like the model),
-    the fused step eager and compiled, with its weights as stored and packed (`compile=False`: the test command
-    never compiles), and the compiled concatenating step (`concat`, packed). In each round, at each position,
-    they take `steps` steps interleaved in an order that rotates every step, on the wall clock and in CPU time,
-    and the bandwidth is measured again: a step's floor is its bytes over it. Returns medians per position
-    (seconds, tokens/s, bytes/s, ratio to the floor), the compile seconds, each variant's largest logit
-    difference from the model's full pass, and the model's step and the fastest one taken apart by kind of
-    operation at the middle position.
-    """
+    """The decode step of `model` several ways against the floor, its bytes over the bandwidth measured after each
+    position: the model's eager step, the steps in `extra`, the fused step eager and (with `compile`) compiled with
+    its weights as stored and packed, and (with `concat`) the compiled concatenating step, interleaved step by step.
+    Returns medians per position on the wall clock and in CPU time (seconds, tokens/s, bytes/s, ratio to the floor),
+    the compile seconds, each variant's largest logit difference from the model's full pass, and the model's step and
+    the fastest one taken apart by kind of operation at the middle position."""
     cfg = model.cfg
     capacity = min(cfg.context_length, capacity or cfg.context_length)
     positions = [p for p in positions if p + steps + 2 <= capacity - 3]
     runners = {"eager model": _ModelStep(model, capacity),
                **{n: _ModelStep(model, capacity, step) for n, step in (extra or {}).items()},
                "fused eager": fused_step(model, capacity)}
-    compile_s = {}
-    if compile:  # the library's products on the weights as stored, then inductor's own on the weights packed for it
-        runners["compiled unpacked"] = fused_step(model, capacity)
-        compile_s["compiled unpacked"] = runners["compiled unpacked"].compiled(packed=False)
-        runners["compiled"] = fused_step(model, capacity)
-        compile_s["compiled"] = runners["compiled"].compiled()
-    if compile and concat:
-        runners["compiled concat"] = fused_step(model, capacity, concat=True)
-        compile_s["compiled concat"] = runners["compiled concat"].compiled()
+    compile_s = {}  # the library's products on the weights as stored, then inductor's own on the weights packed for it
+    for n, cat, packed in (("compiled unpacked", False, False), ("compiled", False, True),
+                           ("compiled concat", True, True)):
+        if compile and (concat or not cat):
+            runners[n] = fused_step(model, capacity, concat=cat)
+            compile_s[n] = runners[n].compiled(packed=packed)
     names = list(runners)
     diffs = _logit_diffs(model, runners, positions[-1])
     times = {n: {p: [] for p in positions} for n in names}
@@ -175,13 +153,12 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
     out["speedup"] = {n: [e / s for e, s in zip(out["variants"]["eager model"]["step_s"], v["step_s"], strict=True)]
                       for n, v in out["variants"].items()}
     middle = positions[len(positions) // 2]
-    parts = {n: profile_step(runners[n], middle) for n in ("eager model", fastest_variant(names))}
+    out["operations"] = {n: profile_step(runners[n], middle) for n in ("eager model", fastest_variant(names))}
     _, kv = step_bytes(model, middle + 1)
-    for part in parts.values():
+    for part in out["operations"].values():
         part["bytes"] = {"products with weights": weights, "attention": kv}
         part["bytes_per_s"] = {k: part["bytes"][k] / s for k, s in part["s_per_step"].items()
                                if k in part["bytes"] and s > 0}
-    out["operations"] = parts
     return out
 
 
@@ -193,8 +170,7 @@ def _history(model: GPT, length: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _off(runner, ids: torch.Tensor, ref: torch.Tensor, prompt: int) -> float:
-    """The largest |logit difference| from `ref` of `runner`'s steps over ids[:, prompt:] after prefilling the
-    rest."""
+    """The largest |logit difference| from `ref` of `runner`'s steps over ids[:, prompt:] after prefilling the rest."""
     runner.reset(0)
     runner.prefill(ids[:, :prompt])
     got = torch.stack([runner.step(ids[:, t : t + 1])[0] for t in range(prompt, ids.shape[1])])
@@ -203,9 +179,8 @@ def _off(runner, ids: torch.Tensor, ref: torch.Tensor, prompt: int) -> float:
 
 @torch.inference_mode()
 def _logit_diffs(model: GPT, runners: dict, position: int, steps: int = 3) -> dict:
-    """The largest |logit difference| of each variant (the model's own step too) from the course model's full
-    pass, over `steps` steps from `position` on one cached history (float32 here: the exact comparison is
-    `float64_check`)."""
+    """The largest |logit difference| of each variant from the model's full pass over `steps` steps from
+    `position` on one cached history (float32 here: the exact comparison is `float64_check`)."""
     ids, ref = _history(model, position + steps, position)
     return {n: _off(r, ids, ref, position) for n, r in runners.items()}
 
@@ -230,8 +205,7 @@ def fastest_variant(names) -> str:
 
 def compiled_model(preset: str, device: torch.device) -> GPT:
     """The model a compiled-step benchmark runs: the real model (float32) for "smollm2-135m", else `random_model`;
-    either way with its large wide weights stored by column, as every model the benchmark times
-    (`labcode.bench.layout`)."""
+    either way with its large wide weights stored by column (`labcode.bench.layout`)."""
     if preset == "smollm2-135m":
         from labcode.weights.smollm2 import load_smollm2
 
@@ -241,38 +215,35 @@ def compiled_model(preset: str, device: torch.device) -> GPT:
 
 def record(res: QAResult, sizes: Sizes, device: torch.device, streamer: Streamer, progress: bool,
            layouts: dict | None = None) -> None:
-    """The model's eager step and the fused step eager and compiled (from an empty compile cache) against the floor,
-    at every preset; at `sizes.floor_preset` also its tensor operations alone and the lean step with `layouts`, and
-    there and at `sizes.row_major_presets` the model with every weight row-major; each round's floor is `streamer`'s
-    best read."""
+    """The model's eager step and the fused step eager and compiled (from an empty compile cache) against the floor
+    of `streamer`'s best read, at every preset; at `sizes.floor_preset` also its tensor operations alone and the lean
+    step with `layouts`, and there and at `sizes.row_major_presets` the model with every weight row-major."""
     runs = {}
     presets = list(dict.fromkeys((*sizes.compiled_presets, sizes.floor_preset)))
-    with fresh_compile_cache():
-        with bar(sizes.compiled_rounds * len(sizes.compiled_positions) * len(presets), "decode steps",
-                 progress) as shown:
-            for preset in presets:
-                model = compiled_model(preset, device)
-                cap = min(model.cfg.context_length, sizes.compiled_capacity)
-                room = cap - sizes.compiled_steps - 5  # the last position whose steps fit, with the untimed one
-                positions = tuple(max(1, int(f * room)) for f in sizes.compiled_positions)
-                extra = {"row-major weights": row_major_copy(model)} if preset in (
-                    sizes.floor_preset, *sizes.row_major_presets) else {}
-                if preset == sizes.floor_preset:
-                    extra.update({"products only": LeanDecode(model, lean=False),
-                                  "lean": LeanDecode(model, lean=True, layouts=layouts)})
-                runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
-                                              streamer, capacity=cap, compile=sizes.compile,
-                                              concat=preset == sizes.floor_preset, extra=extra, progress=shown)
-                del model, extra
+    total = sizes.compiled_rounds * len(sizes.compiled_positions) * len(presets)
+    with fresh_compile_cache(), bar(total, "decode steps", progress) as shown:
+        for preset in presets:
+            model = compiled_model(preset, device)
+            cap = min(model.cfg.context_length, sizes.compiled_capacity)
+            room = cap - sizes.compiled_steps - 5  # the last position whose steps fit, with the untimed one
+            positions = tuple(max(1, int(f * room)) for f in sizes.compiled_positions)
+            extra = {"row-major weights": row_major_copy(model)} if preset in (
+                sizes.floor_preset, *sizes.row_major_presets) else {}
+            if preset == sizes.floor_preset:
+                extra.update({"products only": LeanDecode(model, lean=False),
+                              "lean": LeanDecode(model, lean=True, layouts=layouts)})
+            runs[preset] = bench_compiled(model, preset, positions, sizes.compiled_steps, sizes.compiled_rounds,
+                                          streamer, capacity=cap, compile=sizes.compile,
+                                          concat=preset == sizes.floor_preset, extra=extra, progress=shown)
+            del model, extra
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             exact = float64_check(GPT(get_config("tiny")).double().eval(), compile=sizes.compile)
     res.value("compiled", {"runs": runs, "float64": exact, "compiled": sizes.compile,
                            "compile_cache": "empty at the start of the run"}, TIMED)
     for kind, run in exact.items():
-        res.check(f"fused_step_float64_{kind}", f"the fused decode step ({'compiled' if sizes.compile else 'eager'}"
-                  f", {kind} cache) equals the model's full pass at tiny in float64", run["max_logit_diff"], 1e-12,
-                  "<=")
+        res.check(f"fused_step_float64_{kind}", f"the fused decode step ({'compiled' if sizes.compile else 'eager'}, "
+                  f"{kind} cache) equals the model's full pass at tiny in float64", run["max_logit_diff"], 1e-12, "<=")
     for preset, run in runs.items():
         res.check(f"decode_step_logits_{preset}", f"every decode step the benchmark times at {preset} ("
                   + ", ".join(run["max_logit_diff"]) + ") computes the model's full-pass logits (float32)",

@@ -9,20 +9,14 @@ from __future__ import annotations
 import torch
 
 from labcode.bench.common import random_model
+from labcode.caches import ConcatCache
 from labcode.flops import forward_flops, measure_flops
 from labcode.results import QAResult
 
 
 def record(res: QAResult) -> None:
-    """Every check of the record, after its measurements."""
-    _flop_checks(res)
-    _correctness_checks(res)
-
-
-def _flop_checks(res: QAResult) -> None:
-    """The FLOP formulas against FlopCounterMode on a small random model: a full forward and a decode step."""
-    from labcode.caches import ConcatCache
-
+    """Every check of the record, after its measurements: the FLOP formulas against FlopCounterMode on a small random
+    model (a full forward and a decode step), then what the measurements computed against the model."""
     model = random_model("tiny", torch.device("cpu"))
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -35,9 +29,6 @@ def _flop_checks(res: QAResult) -> None:
               full, forward_flops(cfg, 12, 0, 2), "==")
     res.check("flops_decode_step", "FLOP formula equals FlopCounterMode: decode step after 11 cached",
               step, forward_flops(cfg, 1, 11, 2), "==")
-
-
-def _correctness_checks(res: QAResult) -> None:
     v = res.doc["values"]
     for name, run in v["append"].items():
         res.check(f"append_{name}_contents", f"every cache holds the same keys after the {name} benchmark",
@@ -45,8 +36,7 @@ def _correctness_checks(res: QAResult) -> None:
     res.check("attention_methods_agree", "repeat-KV, GQA and SDPA attention agree (float32)",
               v["append_attention"]["max_output_diff"], 1e-5, "<=")
     for preset, run in v["generation"].items():
-        worst = max(run["max_logit_diff"].values())
         res.check(f"generation_{preset}_logits", f"every cache's logits match no-cache generation at {preset} "
-                  "(float32)", worst, 1e-3, "<=")
+                  "(float32)", max(run["max_logit_diff"].values()), 1e-3, "<=")
     res.check("memory_allocation", "sequences admitted, bytes held and empty slots of real caches (plain, paged, "
               "int8) equal the capacity formulas", v["memory"]["allocation"]["agrees"], True, "==")

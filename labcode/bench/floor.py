@@ -1,10 +1,9 @@
 """Decode at the floor: where a cached decode step's time goes, operation by operation, and what eager PyTorch allows.
 
-Introduced in chapter 7's appendix on CPU micro-benchmarks. A decode step at batch 1 reads every weight and
-every cached key and value once: its floor is those bytes over the streaming bandwidth. `LeanDecode` is the
-model's step with the options eager PyTorch offers; with a `StepTimer` it gives each kind of operation's
-seconds, and so the bandwidth it achieves. Also here: window against concat per step, and the cost of the
-cache's validation. The whole steps are timed against the floor in `labcode.bench.compiled`.
+Introduced in chapter 7's appendix on CPU micro-benchmarks. A decode step at batch 1 reads every weight and every
+cached key and value once: its floor is those bytes over the streaming bandwidth. `LeanDecode` is the model's step
+with the options eager PyTorch offers; a `StepTimer` gives each kind of operation's seconds. Also here: window
+against concat per step, and the cost of the cache's validation (whole steps: `labcode.bench.compiled`).
 """
 
 from __future__ import annotations
@@ -61,12 +60,11 @@ def stored(w: torch.Tensor, layout: str) -> torch.Tensor:
 class LeanDecode:
     """A cached decode step of `model` reduced to its tensor operations, with eager PyTorch's speed options.
 
-    `lean=False` performs exactly the model's operations on its own tensors (`F.linear`, `attend`) and nothing
-    around them (no modules, checks, masks or cache protocol): the benchmark's "products only". `lean=True` fuses
-    the Q/K/V weight, stores each weight in `layouts[(out, in)]` ("row" or "col"), multiplies one row with
-    `addmv` into preallocated outputs and reads the keys as K @ q; `fused_qkv`, `matvec` and `k_first` switch
-    single options, for ablations. It writes a `WindowCache`'s buffers as the model does:
-    `step(ids [B, 1], cache) -> logits [B, 1, V]`. Set `timer` to a `StepTimer` to time each kind of operation.
+    `lean=False` runs exactly the model's operations on its own tensors and nothing around them (no modules, checks,
+    masks or cache protocol): the benchmark's "products only". `lean=True` fuses the Q/K/V weight, stores each weight
+    in `layouts[(out, in)]` ("row" or "col"), multiplies one row with `addmv` into reused outputs and reads the keys
+    as K @ q (`fused_qkv`, `matvec`, `k_first`: one option each). `step(ids [B, 1], cache) -> logits [B, 1, V]`
+    writes a `WindowCache`'s buffers as the model does; a `StepTimer` as `timer` times each kind of operation.
     """
 
     def __init__(self, model: GPT, lean: bool = True, layouts: dict[tuple[int, int], str] | None = None, *,
@@ -177,12 +175,9 @@ def category_bytes(cfg, keys: int, batch: int = 1, element: int = 4) -> dict[str
 
 @torch.inference_mode()
 def op_breakdown(step: LeanDecode, position: int, steps: int, bandwidth: dict[str, float]) -> dict:
-    """Median seconds per decode step of each kind of operation, its bytes, and the bandwidth it achieves.
-
-    Timed in wall-clock and process CPU time (`_cpu`); `bandwidth` holds the streaming
-    bandwidth in each ({"wall": ..., "cpu": ...}). `excess_s` is the time above what the
-    bytes take at that bandwidth: where the step loses its distance to the floor.
-    """
+    """Median seconds per decode step of each kind of operation, its bytes, and the bandwidth it achieves, in wall-clock
+    and CPU time (`_cpu`; `bandwidth` holds the streaming bandwidth in each). `excess_s` is the time above what the
+    bytes take at that bandwidth: where the step loses its distance to the floor."""
     cfg = step.cfg
     cache = WindowCache(cfg.n_layers, cfg.context_length)
     fill_cache(cache, step.model, 1, position)
@@ -198,7 +193,7 @@ def op_breakdown(step: LeanDecode, position: int, steps: int, bandwidth: dict[st
     nbytes = category_bytes(cfg, keys)
     floor_bytes = sum(nbytes[k] for k in ("q/k/v projections", "output projection", "MLP up", "MLP down", "head",
                                           "attention"))
-    names = sorted({k for t, _ in runs for k in t.seconds}, key=lambda k: (CATEGORIES + ATTENTION_PARTS).index(k))
+    names = sorted({k for t, _ in runs for k in t.seconds}, key=(CATEGORIES + ATTENTION_PARTS).index)
     out = {"position": position, "keys": keys, "floor_bytes": floor_bytes}
     for i, (clock, suffix) in enumerate((("wall", ""), ("cpu", "_cpu"))):
         rows = {}
@@ -210,12 +205,11 @@ def op_breakdown(step: LeanDecode, position: int, steps: int, bandwidth: dict[st
                            excess_s=sec - nbytes[name] / bandwidth[clock])
             rows[name] = row
         if "K read (scores)" in rows:  # the lean step's attention, summed from its parts
-            sec = sum(rows[p]["s_per_step"] for p in ATTENTION_PARTS)
-            rows["attention"] = {"s_per_step": sec, "calls_per_step": sum(rows[p]["calls_per_step"]
-                                                                          for p in ATTENTION_PARTS),
-                                 "bytes": nbytes["attention"], "bytes_per_s": nbytes["attention"] / sec,
+            sec, n = (sum(rows[p][k] for p in ATTENTION_PARTS) for k in ("s_per_step", "calls_per_step"))
+            rows["attention"] = {"s_per_step": sec, "calls_per_step": n, "bytes": nbytes["attention"],
+                                 "bytes_per_s": nbytes["attention"] / sec,
                                  "excess_s": sec - nbytes["attention"] / bandwidth[clock]}
-            rows = {k: rows[k] for k in sorted(rows, key=lambda k: (CATEGORIES + ATTENTION_PARTS).index(k))}
+            rows = {k: rows[k] for k in sorted(rows, key=(CATEGORIES + ATTENTION_PARTS).index)}
         step_s = median([total[i] for _, total in runs])
         out.update({"step" + suffix + "_s": step_s, "floor" + suffix + "_s": floor_bytes / bandwidth[clock],
                     "ratio" + suffix: step_s * bandwidth[clock] / floor_bytes,
@@ -227,12 +221,9 @@ def op_breakdown(step: LeanDecode, position: int, steps: int, bandwidth: dict[st
 
 def product_variants(shapes: Sequence[tuple[int, int]], device: torch.device, min_mbytes: int = 64,
                      repeats: int = 5) -> list[dict]:
-    """Bytes per second of one row times a weight [out, in], six ways: `F.linear` and `addmv` (with and without
-    a reused output), each on the weight stored row by row and column by column.
-
-    Each shape cycles through enough distinct matrices (at least `min_mbytes` in all) that
-    none is still in a cache when it is read again, as in a decode step of a large model.
-    """
+    """Bytes per second of one row times a weight [out, in], six ways: `F.linear` and `addmv` (with and without a
+    reused output), on the weight stored row by row and column by column; each shape cycles through enough distinct
+    matrices (`min_mbytes` in all) that none is still in a cache when read again, as in a large model's step."""
     out = []
     gen = torch.Generator().manual_seed(0)
     for n_out, n_in in shapes:
@@ -259,13 +250,9 @@ def product_variants(shapes: Sequence[tuple[int, int]], device: torch.device, mi
 
 def kv_read_variants(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, lengths: Sequence[int],
                      device: torch.device, capacity: int = 1024, repeats: int = 5) -> list[dict]:
-    """Bytes per second of attention's reads of one layer's cached K (and V) for one query, several ways.
-
-    `q @ K^T` is what `attend` does; `K @ q` reads each key row contiguously with the query
-    as the column; `contiguous K` is the same product on a copy without the buffer's
-    unused slots; `sum(K)` is the streaming reference (a read with no product). Every
-    way walks `n_layers` buffers of [Hkv, capacity, D], like a decode step.
-    """
+    """Bytes per second of attention's reads of the cached K (and V) for one query, in `n_layers` buffers of
+    [Hkv, capacity, D] like a decode step: `q @ K^T` as `attend` does, `K @ q` (each key row read contiguously), the
+    same on a copy without the unused slots, weights @ V, and `sum(K)` (a read with no product) for reference."""
     gen = torch.Generator().manual_seed(0)
     g = n_heads // n_kv_heads
     ks = [torch.randn(n_kv_heads, capacity, head_dim, generator=gen).to(device) for _ in range(n_layers)]
@@ -292,11 +279,8 @@ def kv_read_variants(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int
 def bench_window_vs_concat(model: GPT, positions: Sequence[int], steps: int, rounds: int = 1, warmup: int = 2,
                            bandwidth: float | None = None, progress=None) -> dict:
     """Seconds per decode step with a `WindowCache` and with a `ConcatCache` holding the same positions, interleaved.
-
-    The concatenating cache copies every cached key and value at every step; the window
-    cache writes one row. Their difference should grow with the context: by the copy's
-    bytes (read and written) over `bandwidth`, if given (`cat_extra_predicted_s`).
-    """
+    The concatenating cache copies every cached key and value at every step, the window writes one row: their
+    difference should grow with the context, by the copy's bytes over `bandwidth` (`cat_extra_predicted_s`)."""
     cfg, device = model.cfg, model.device
     token = torch.zeros(1, dtype=torch.long, device=device)
     times: dict[str, dict[int, list[float]]] = {"window": defaultdict(list), "cat": defaultdict(list)}

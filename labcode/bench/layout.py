@@ -1,10 +1,8 @@
 """Weight layouts for decode speed: the benchmark's models store their wide weights column by column.
 
-Introduced in chapter 7. A decode step multiplies one row by each weight matrix, so it runs
-at the speed the weights stream from memory. For wide matrices [out, in] with out > in (the
-tied head above all) the BLAS product reads W^T stored contiguously markedly faster than W
-stored row by row. The model itself keeps PyTorch's default layout; the benchmark applies this,
-and its record's layout table times both layouts for every shape of weight it times.
+Introduced in chapter 7. A decode step multiplies one row by each weight matrix, so it runs at the speed the weights
+stream from memory; for wide matrices [out, in] (the tied head above all) the library reads one stored column by
+column markedly faster. The model keeps PyTorch's default layout; the benchmark's layout table times both.
 """
 
 from __future__ import annotations
@@ -38,11 +36,8 @@ def weight_shapes(cfg: GPTConfig) -> set[tuple[int, int]]:
 
 
 def store_wide_weights_by_column(model: GPT, min_elements: int = WIDE_MIN_ELEMENTS) -> GPT:
-    """Store `model`'s large wide weights [out, in] column by column, in place; values are unchanged.
-
-    Shapes, values and the state_dict stay the same; square and tall matrices, and those under
-    `min_elements`, keep PyTorch's default layout. Returns the model.
-    """
+    """Store `model`'s large wide weights [out, in] column by column, in place (shapes, values and state_dict
+    unchanged; square, tall and small matrices keep PyTorch's default layout); return the model."""
     with torch.no_grad():
         for p in [model.tok_emb.weight] + [m.weight for m in model.modules() if isinstance(m, nn.Linear)]:
             if by_column(*p.shape, min_elements):

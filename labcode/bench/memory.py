@@ -49,7 +49,6 @@ def _stub(cfg: GPTConfig, dtype: torch.dtype) -> GPT:
 def allocate_plain(cfg: GPTConfig, dtype: torch.dtype, budget_bytes: int, length: int) -> dict:
     """Admit sequences, each a `WindowCache` reserving `context_length` slots, while their bytes fit the budget."""
     stub, held, total = _stub(cfg, dtype), 0, 0
-    per_sequence = None
     while True:
         cache = WindowCache(cfg.n_layers, cfg.context_length)
         fill_cache(cache, stub, 1, length)
@@ -118,14 +117,9 @@ def allocation_check(cfg: GPTConfig, budget_bytes: int, length: int, block_size:
 
 def allocation_agrees(rows: list[dict]) -> bool:
     """True when every count and byte total of `allocation_check` equals its formula."""
-    for r in rows:
-        if "bytes_formula" in r:
-            if r["bytes_formula"] != r["bytes_allocated"]:
-                return False
-        elif not (r["plain_formula"] == r["plain_allocated"] and r["paged_formula"] == r["paged_allocated"]
-                  and r["empty_slots_formula"] == r["empty_slots_measured"]):
-            return False
-    return True
+    return all(r["bytes_formula"] == r["bytes_allocated"] if "bytes_formula" in r else
+               (r["plain_formula"], r["paged_formula"], r["empty_slots_formula"])
+               == (r["plain_allocated"], r["paged_allocated"], r["empty_slots_measured"]) for r in rows)
 
 
 def concurrency_sweep(cfg: GPTConfig, budget_bytes: int, block_size: int = 16, gqa_group: int = 4,

@@ -1,23 +1,22 @@
 """The figures of chapter 7 and its appendix, drawn from a benchmark result (the `values` of its JSON file).
 
-Introduced in chapter 7. Every function takes the plain dictionaries the JSON holds,
-so a committed result file can be plotted again without running anything; `PLOTS` names
-them all (`python -m labcode.bench --plots DIR` writes each as a PNG file). Each is drawn
-through `labcode.plotting`: the column's width, its type (13 pt and up), its six colours,
-few series per panel, honest axes, no background; panels stack, for a phone's column.
+Introduced in chapter 7. Each takes the plain dictionaries the JSON holds, so a committed result plots without running
+anything; `PLOTS` names them all (`python -m labcode.bench --plots DIR` writes each as a PNG file), drawn in the book's
+style by `labcode.plotting.figure`.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from labcode.plotting import COLOURS, COLUMN_INCHES, INK, figure
+from labcode.plotting import COLOURS, INK, figure
 
 US = 1e6
 LABELS = {  # every contender of the append and generation benchmarks, for tables
@@ -35,17 +34,11 @@ LABELS = {  # every contender of the append and generation benchmarks, for table
     "explicit": "explicit (K, V) pairs (return_cache=True)",
 }
 SHORT_LABELS = {  # the same, short enough for a bar chart's labels on a phone
-    "cat": "ConcatCache",
-    "slice": "WindowCache",
-    "ring": "RingCache",
-    "grow_linear": "Growable, linear",
-    "grow_double": "Growable, doubling",
-    "bare_cat": "bare torch.cat",
-    "bare_slice": "bare copy_",
+    "cat": "ConcatCache", "slice": "WindowCache", "ring": "RingCache", "grow_linear": "Growable, linear",
+    "grow_double": "Growable, doubling", "bare_cat": "bare torch.cat", "bare_slice": "bare copy_",
     "fused_slice": "one copy_, all layers",
 }
 
-WIDTH = COLUMN_INCHES  # inches: the book's text column
 PRESET_COLORS = {"gpt2-124m": COLOURS[0], "small": COLOURS[1], "tiny": COLOURS[2], "micro": COLOURS[3]}
 KIND_MARKERS = {"prefill": "o", "decode": "s", "uncached": "^"}
 SERIES = COLOURS[:5]
@@ -53,35 +46,34 @@ TARGET = COLOURS[1]  # a target's line
 
 
 def _plain(ax: Axes, axis: str = "both", base: float = 10, most: int = 12) -> None:
-    """Log axes labelled with plain numbers (1, 2, 5, 10 or 1, 2, 4, 8), never "2.4x10^0", at most `most` ticks.
-
-    Call after plotting: an axis spanning two decades or less also gets ticks at 2 and 5.
-    """
-    import math
-
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
+    """Label log axes with plain numbers (1, 2, 5 or 1, 2, 4), at most `most` ticks; call after plotting."""
     fmt = FuncFormatter(lambda v, _: f"{v:,.6g}")
     for name in ("x", "y") if axis == "both" else (axis,):
         a = getattr(ax, f"{name}axis")
         lo, hi = sorted(getattr(ax, f"get_{name}lim")())
         decades = math.log10(hi / lo) if lo > 0 else 99
-        subs = (1.0, 2.0, 5.0) if base == 10 and decades <= 2 else (1.0,)
+        subs = (1.0, 2.0, 5.0) if base == 10 and decades <= 2 else (1.0,)  # 2 and 5 too on two decades or less
         a.set_major_locator(LogLocator(base=base, subs=subs, numticks=most))
         a.set_major_formatter(fmt)
         a.set_minor_formatter(NullFormatter())
 
 
-def _f(x) -> float:
-    return float(x)  # JSON stores infinity as the string "inf"
+def _below(fig: Figure) -> Figure:
+    """Put the figure's legend below its axes, where it hides nothing, and return the figure."""
+    fig.legend(loc="outside lower center", ncol=2)
+    return fig
 
 
-def _points_key(ax: Axes, presets, loc: str, **legend) -> None:
-    """The legend of a scatter by preset (colour) and kind of call (marker)."""
+def _calls(ax: Axes, values: dict, xy, hollow: bool = False, **legend) -> None:
+    """Each timed call at `xy(call)`, and a key: colour by preset, marker by kind (`hollow`: open if overhead-bound)."""
+    for preset, run in values["roofline"].items():
+        for p in run["points"]:
+            mfc = "none" if hollow and p["predicted"]["bound"] == "overhead" else None
+            ax.plot(*xy(p), KIND_MARKERS[p["kind"]], color=PRESET_COLORS.get(preset, COLOURS[5]), mfc=mfc, ms=6)
     handles = [Line2D([], [], color=c, marker="o", ls="none", label=name)
-               for name, c in PRESET_COLORS.items() if name in presets]
+               for name, c in PRESET_COLORS.items() if name in values["roofline"]]
     handles += [Line2D([], [], color=INK, marker=mk, ls="none", label=kind) for kind, mk in KIND_MARKERS.items()]
-    ax.legend(handles=handles, loc=loc, ncol=2, **legend)
+    ax.legend(handles=handles, ncol=2, **legend)
 
 
 def plot_roofline(values: dict) -> Figure:
@@ -89,45 +81,37 @@ def plot_roofline(values: dict) -> Figure:
     m = values["roofline_machine"]["wall"]
     peak, bw = m["peak_flops_per_s"], m["bandwidth_bytes_per_s"]
     fig, ax = figure(height=4.2)
-    pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
-    lo = min(p["intensity"] for _, p in pts) / 2
-    hi = max(max(p["intensity"] for _, p in pts) * 2, 4 * peak / bw)
+    pts = [p for run in values["roofline"].values() for p in run["points"]]
+    lo = min(p["intensity"] for p in pts) / 2
+    hi = max(max(p["intensity"] for p in pts) * 2, 4 * peak / bw)
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     ax.plot(xs, [min(peak, bw * x) / 1e9 for x in xs], color=INK, lw=2)
-    for preset, p in pts:
-        ax.plot(p["intensity"], p["flops"] / p["step_s"] / 1e9, KIND_MARKERS[p["kind"]], color=PRESET_COLORS.get(
-            preset, COLOURS[5]), mfc="none" if p["predicted"]["bound"] == "overhead" else None, ms=6)
-    _points_key(ax, values["roofline"], "lower right", title="open: overhead-bound")
+    _calls(ax, values, lambda p: (p["intensity"], p["flops"] / p["step_s"] / 1e9), hollow=True, loc="lower right",
+           title="open: overhead-bound")
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per byte)", ylabel="GFLOP/s achieved",
            title=f"peak {peak / 1e9:.3g} GFLOP/s, bandwidth {bw / 1e9:.3g} GB/s")
     _plain(ax, most=7)
-    ax.grid(True, which="major")
     return fig
 
 
 def plot_roofline_fit(values: dict, tolerance: float = 1.5) -> Figure:
     """Measured seconds against the roofline's prediction for every timed call, with the target's band."""
     fig, ax = figure(height=4.2)
-    pts = [(preset, p) for preset, run in values["roofline"].items() for p in run["points"]]
-    lo = min(min(p["step_s"], p["predicted"]["seconds"]) for _, p in pts) * 1e3 / 2
-    hi = max(max(p["step_s"], p["predicted"]["seconds"]) for _, p in pts) * 1e3 * 2
+    pts = [p for run in values["roofline"].values() for p in run["points"]]
+    lo = min(min(p["step_s"], p["predicted"]["seconds"]) for p in pts) * 1e3 / 2
+    hi = max(max(p["step_s"], p["predicted"]["seconds"]) for p in pts) * 1e3 * 2
     ax.fill_between([lo, hi], [lo / tolerance, hi / tolerance], [lo * tolerance, hi * tolerance], color=INK,
                     alpha=0.15, lw=0, label=f"within {tolerance}x")
     ax.plot([lo, hi], [lo, hi], color=INK, lw=1)
-    for preset, p in pts:
-        ax.plot(p["predicted"]["seconds"] * 1e3, p["step_s"] * 1e3, KIND_MARKERS[p["kind"]],
-                color=PRESET_COLORS.get(preset, COLOURS[5]), ms=6)
-    _points_key(ax, values["roofline"], "upper left")
+    _calls(ax, values, lambda p: (p["predicted"]["seconds"] * 1e3, p["step_s"] * 1e3), loc="upper left")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="predicted ms per call",
            ylabel="measured ms per call")
     _plain(ax, most=7)
-    ax.grid(True, which="major")
     return fig
 
 
 def plot_batch(values: dict) -> Figure:
-    """Decode tokens per second against the batch size, measured (points) and predicted (lines), one panel per
-    preset, stacked."""
+    """Decode tokens per second against the batch size, measured (points) and predicted (lines), a panel a preset."""
     runs = values["batch"]
     fig, axes = figure(len(runs), 1, height=2.3 * len(runs) + 0.6, sharex=True, squeeze=False)
     for ax, (preset, res) in zip(axes[:, 0], runs.items(), strict=True):
@@ -137,14 +121,13 @@ def plot_batch(values: dict) -> Figure:
             ax.plot(b, run["predicted"]["tokens_per_s"], "-", color=color)
             if "plain" in run:  # the same roofline with one bandwidth for every byte
                 ax.plot(b, run["plain"]["tokens_per_s"], "--", color=color, lw=1.0, alpha=0.7)
-            crit = _f(run["critical_batch"])
+            crit = float(run["critical_batch"])  # JSON stores infinity as the string "inf"
             if b[0] <= crit <= b[-1]:
                 ax.axvline(crit, color=color, ls=":", lw=1.2)
         dashed = "; dashed: one bandwidth" if any("plain" in run for run in res["runs"]) else ""
         ax.set(xscale="log", yscale="log", ylabel="tokens / s", title=preset + dashed)
         _plain(ax, "x", base=2)
         _plain(ax, "y", most=5)
-        ax.grid(True, which="major")
         ax.legend(loc="upper left")  # each panel has its own cached lengths
     axes[-1][0].set_xlabel("batch size B")
     return fig
@@ -158,18 +141,16 @@ def plot_critical_batch(values: dict, preset: str | None = None) -> Figure:
     h = values["batch"][preset]["preset_config"]["n_heads"]
     for (hkv, c), color in zip(curve["n_kv_heads"].items(), SERIES, strict=False):
         name = "MHA" if int(hkv) == h else ("MQA" if int(hkv) == 1 else "GQA")
-        ys = [_f(v) for v in c["critical_batch"]]
-        ax.plot(curve["contexts"], [y if y != float("inf") else float("nan") for y in ys], color=color,
-                label=f"{name}, Hkv = {hkv}")
-        limit = _f(c["context_limit"])
+        ys = [float(v) if float(v) != math.inf else math.nan for v in c["critical_batch"]]  # inf: not drawn
+        ax.plot(curve["contexts"], ys, color=color, label=f"{name}, Hkv = {hkv}")
+        limit = float(c["context_limit"])
         if limit < curve["contexts"][-1]:
             ax.axvline(limit, color=color, ls=":", lw=1.2)
-    ax.axhline(_f(curve["weights_critical_batch"]), color=INK, ls="--", lw=1, label="weights alone")
+    ax.axhline(float(curve["weights_critical_batch"]), color=INK, ls="--", lw=1, label="weights alone")
     ax.set(yscale="log", xlabel="cached length S", ylabel="compute-bound from B",
            title=f"{preset}; dotted: no batch is compute-bound beyond")
     _plain(ax, "y")
     ax.xaxis.set_major_locator(MaxNLocator(6))
-    ax.grid(True, which="major")
     ax.legend(loc="upper left")
     return fig
 
@@ -177,19 +158,17 @@ def plot_critical_batch(values: dict, preset: str | None = None) -> Figure:
 def plot_concurrency(values: dict) -> Figure:
     """Sequences that fit in the memory budget against their length: layouts (top) and formats (bottom)."""
     sw = values["memory"]["sweep"]
-    n = sw["lengths"]
     fig, (top, bottom) = figure(2, 1, height=5.6, sharex=True, sharey=True)
     for layout, color in zip(("MHA", "GQA", "MQA"), SERIES, strict=False):
-        top.plot(n, sw["paged"][f"{layout}/float32"], color=color, label=f"{layout}, paged")
+        top.plot(sw["lengths"], sw["paged"][f"{layout}/float32"], color=color, label=f"{layout}, paged")
     top.axhline(sw["plain"]["MHA/float32"], color=SERIES[0], ls="--", lw=1.2, label="MHA, plain")
     for fmt, color in zip(("float32", "bfloat16", "int8"), SERIES, strict=False):
-        bottom.plot(n, sw["paged"][f"MHA/{fmt}"], color=color, label=f"{fmt}, paged")
+        bottom.plot(sw["lengths"], sw["paged"][f"MHA/{fmt}"], color=color, label=f"{fmt}, paged")
     bottom.axhline(sw["plain"]["MHA/int8"], color=SERIES[2], ls="--", lw=1.2, label="int8, plain")
     top.set(yscale="log", ylabel="sequences", title="float32, by layout")
     bottom.set(yscale="log", xlabel="tokens per sequence", ylabel="sequences", title="MHA, by format")
     for ax in (top, bottom):
         _plain(ax, "y")
-        ax.grid(True, which="major")
         ax.legend(loc="upper right", ncol=2)
     return fig
 
@@ -202,38 +181,33 @@ def plot_floor_ops(values: dict) -> Figure:
     short = {"q/k/v projections": "q/k/v proj.", "output projection": "output proj."}
     fig, ax = figure(height=4.2)
     ys = range(len(names))
-    for i, (key, label, color) in enumerate((("model", "the model", SERIES[0]), ("lean", "lean step", SERIES[1]))):
-        rows = ops[key]["operations"]
-        ax.barh([y + 0.4 * i for y in ys], [rows[k]["bytes_per_s"] / 1e9 for k in names], 0.4, color=color,
-                label=label)
+    for i, (key, label) in enumerate((("model", "the model"), ("lean", "lean step"))):
+        ax.barh([y + 0.4 * i for y in ys], [ops[key]["operations"][k]["bytes_per_s"] / 1e9 for k in names], 0.4,
+                color=SERIES[i], label=label)
     ax.axvline(ops["bandwidth"]["wall"] / 1e9, color=INK, ls="--", label="streaming bandwidth")
     ax.set_yticks([y + 0.2 for y in ys], [short.get(k, k) for k in names])
     ax.invert_yaxis()
     ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.set(xlabel="GB/s achieved", title=f"{ops['preset']} decode step at position {ops['model']['position']}")
-    fig.legend(loc="outside lower center", ncol=2)  # below the axes: no bar hidden
-    return fig
+    return _below(fig)
 
 
 def plot_window_vs_concat(values: dict) -> Figure:
     """Decode step time with the window cache and the concatenating cache against the cached length (median, IQR)."""
     wc = values["window_vs_concat"]
     fig, ax = figure(height=3.4)
-    for name, label, color in (("window", "WindowCache (slice write)", SERIES[0]),
-                               ("cat", "ConcatCache (torch.cat)", SERIES[1])):
-        ax.plot(wc["keys"], [t * 1e3 for t in wc[f"{name}_s"]], "o-", color=color, label=label)
+    for name, color in zip(("window", "cat"), SERIES, strict=False):
+        ax.plot(wc["keys"], [t * 1e3 for t in wc[f"{name}_s"]], "o-", color=color, label=LABELS[name])
         ax.fill_between(wc["keys"], [q[0] * 1e3 for q in wc[f"{name}_q"]], [q[1] * 1e3 for q in wc[f"{name}_q"]],
                         color=color, alpha=0.2, lw=0)
     ax.set(xlabel="keys attended to", ylabel="ms per decode step", ylim=(0, None))
     ax.xaxis.set_major_locator(MaxNLocator(6))
-    ax.grid(True)
     ax.legend(loc="lower right")
     return fig
 
 
 def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
-    """Decode step time over the bandwidth floor against the position at the floor's preset: the model, its step
-    reduced to the tensor operations, the lean step, and the compiled step where the record has it."""
+    """Decode step time over the bandwidth floor against the position, for each variant of the step recorded."""
     res = values["compiled"]["runs"][values["floor_ops"]["preset"]]
     fig, ax = figure(height=3.8)
     shown = (("eager model", "the model"), ("products only", "its tensor operations only"), ("lean", "lean step"),
@@ -245,14 +219,11 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
     ax.axhline(1.0, color=INK, lw=1)
     ax.set(xlabel="position of the new token", ylabel="step time / floor", ylim=(0.9, None))
     ax.xaxis.set_major_locator(MaxNLocator(6))
-    ax.grid(True)
-    fig.legend(loc="outside lower center", ncol=2)  # below the axes: no line hidden
-    return fig
+    return _below(fig)
 
 
 def plot_compiled(values: dict, target: float = 1.3) -> Figure:
-    """The decode step over its floor at every preset (the worst measured position): the model's eager step,
-    the fused step eager, and compiled where it was, with its weights as stored and packed."""
+    """The decode step over its floor at every preset (its worst position), for each variant every preset has."""
     runs = values["compiled"]["runs"]
     presets = list(runs)
     names = [n for n in ("eager model", "fused eager", "compiled unpacked", "compiled")
@@ -270,10 +241,8 @@ def plot_compiled(values: dict, target: float = 1.3) -> Figure:
            yticklabels=presets)
     ax.invert_yaxis()
     _plain(ax, "x")
-    ax.grid(True, axis="x")
     ax.grid(False, axis="y")
-    fig.legend(loc="outside lower center", ncol=2)
-    return fig
+    return _below(fig)
 
 
 def plot_rows(values: dict) -> Figure:
@@ -282,8 +251,7 @@ def plot_rows(values: dict) -> Figure:
     rows = mach["rows"]
     fig, ax = figure(height=4.4)
     r = [x["rows"] for x in rows]
-    # One thread: CPU time and the wall clock often agree, so the CPU-time series is drawn so that it
-    # shows when it lies on the other (a wider dotted line, open markers around the filled ones).
+    # One thread: the two clocks often agree, so CPU time is drawn wider, dotted and open, to show beneath the wall's.
     for clock, key, color, label, line, lw, mfc, ms in (
             ("wall", "flops_per_s", SERIES[0], "wall clock", "-", 1.4, None, 5),
             ("cpu", "cpu_flops_per_s", SERIES[1], "CPU time", ":", 3.0, "none", 10)):
@@ -301,15 +269,11 @@ def plot_rows(values: dict) -> Figure:
     ax.set(xscale="log", yscale="log", xlabel="rows R multiplied by the weight", ylabel="GFLOP/s")
     _plain(ax, "x", base=2)
     _plain(ax, "y")
-    ax.grid(True, which="major")
-    fig.legend(loc="outside lower center", ncol=2)
-    return fig
+    return _below(fig)
 
 
 def plot_stream_ceilings(values: dict, preset: str | None = None) -> Figure:
-    """The memory-side ceilings measured beside the batch sweep's steps at one cached length: GB/s at which each
-    weight shape streamed through products of B rows, and the keys and values through decode attention, against
-    B; the machine's bandwidth dashed."""
+    """GB/s at which each weight shape, and the keys and values, streamed in the batch sweep's steps, against B."""
     preset = preset or next(reversed(values["batch"]))
     run = values["batch"][preset]["runs"][0]
     fig, ax = figure(height=3.9)
@@ -318,21 +282,16 @@ def plot_stream_ceilings(values: dict, preset: str | None = None) -> Figure:
         pts = [(b, c[name] / 1e9) for b, c in zip(run["batch"], run["ceilings"], strict=True) if name in c]
         label = "keys and values" if name == "K/V" else "weight " + name.replace("x", " x ")
         ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label=label, lw=1.4)
-    bw = values["roofline_machine"]["wall"]["bandwidth_bytes_per_s"] / 1e9
-    ax.axhline(bw, color=INK, ls="--", lw=1.2)
+    ax.axhline(values["roofline_machine"]["wall"]["bandwidth_bytes_per_s"] / 1e9, color=INK, ls="--", lw=1.2)
     ax.set(xscale="log", xlabel="batch size B (rows per product)", ylabel="GB/s", xlim=(run["batch"][0] / 1.2,
            run["batch"][-1] * 1.2), title=f"{preset}, S = {run['s_cached']}; dashed: the bandwidth")
     _plain(ax, "x", base=2)
     ax.set_ylim(bottom=0)
-    ax.grid(True, which="major")
-    if names:
-        fig.legend(loc="outside lower center", ncol=2)
-    return fig
+    return _below(fig) if names else fig
 
 
 def plot_overhead_crossover(values: dict) -> Figure:
-    """A batch-1 decode step's predicted time for bytes (solid) and for its operations' fixed cost (dashed), against
-    the model width, per preset: the fixed cost dominates left of the crossing. Each preset's own width is marked."""
+    """A batch-1 decode step's predicted time for bytes and for its operations' fixed cost against the model width."""
     cross = values["roofline_summary"]["crossover"]
     fig, ax = figure(height=4.4)
     for (preset, c), color in zip(cross.items(), SERIES, strict=False):
@@ -348,20 +307,16 @@ def plot_overhead_crossover(values: dict) -> Figure:
     ax.set(xscale="log", yscale="log", xlabel="model width C (dots: the preset's own)", ylabel="ms per decode step")
     _plain(ax, "x", base=2, most=7)
     _plain(ax, "y")
-    ax.grid(True, which="major")
-    fig.legend(loc="outside lower center", ncol=2)
-    return fig
+    return _below(fig)
 
 
 def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
-    """Latency (ms per decode step, what each sequence waits per token) against throughput (tokens per second for the
-    whole batch), measured (points, labelled with the batch size) and predicted (lines), for each cached length."""
+    """Latency against throughput, measured (points, labelled with the batch size) and predicted, per cached length."""
     preset = preset or next(reversed(values["batch"]))
     runs = values["batch"][preset]["runs"]
     fig, ax = figure(height=4.6)
     for i, (run, color) in enumerate(zip(runs, SERIES, strict=False)):
-        pred = run["predicted"]
-        ax.plot(pred["tokens_per_s"], [t * 1e3 for t in pred["step_s"]], "-", color=color,
+        ax.plot(run["predicted"]["tokens_per_s"], [t * 1e3 for t in run["predicted"]["step_s"]], "-", color=color,
                 label=f"S = {run['s_cached']}, predicted")
         ax.plot(run["tokens_per_s"], [t * 1e3 for t in run["step_s"]], "o", color=color,
                 label=f"S = {run['s_cached']}, measured")
@@ -372,9 +327,7 @@ def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
     ax.set(xscale="log", yscale="log", xlabel="throughput: tokens per second, whole batch",
            ylabel="latency: ms per step", title=f"{preset}; numbers: batch size B")
     _plain(ax, most=7)
-    ax.grid(True, which="major")
-    fig.legend(loc="outside lower center", ncol=2)  # below: no label hidden
-    return fig
+    return _below(fig)
 
 
 def plot_append_medians(values: dict) -> Figure:
@@ -391,26 +344,15 @@ def plot_append_medians(values: dict) -> Figure:
     ax.invert_yaxis()
     ax.set(xscale="log", xlabel="µs per decode step, all layers (median)")
     _plain(ax, "x")
-    ax.grid(True, which="major", axis="x")
-    fig.legend(loc="outside lower center", ncol=2)
-    return fig
+    return _below(fig)
 
 
-PLOTS = {
-    "roofline": plot_roofline,
-    "roofline_fit": plot_roofline_fit,
-    "rows": plot_rows,
-    "batch": plot_batch,
-    "stream_ceilings": plot_stream_ceilings,
-    "critical_batch": plot_critical_batch,
-    "concurrency": plot_concurrency,
-    "floor_ops": plot_floor_ops,
-    "floor_ratio": plot_floor_ratio,
-    "window_vs_concat": plot_window_vs_concat,
-    "overhead_crossover": plot_overhead_crossover,
-    "latency_throughput": plot_latency_throughput,
-    "append_medians": plot_append_medians,
-    "compiled": plot_compiled,
+PLOTS = {  # a figure's name (its file is bench_NAME.png) and the function that draws it
+    "roofline": plot_roofline, "roofline_fit": plot_roofline_fit, "rows": plot_rows, "batch": plot_batch,
+    "stream_ceilings": plot_stream_ceilings, "critical_batch": plot_critical_batch, "concurrency": plot_concurrency,
+    "floor_ops": plot_floor_ops, "floor_ratio": plot_floor_ratio, "window_vs_concat": plot_window_vs_concat,
+    "overhead_crossover": plot_overhead_crossover, "latency_throughput": plot_latency_throughput,
+    "append_medians": plot_append_medians, "compiled": plot_compiled,
 }
 
 
@@ -421,8 +363,7 @@ def save_plots(values: dict, directory: str | Path) -> list[Path]:
     paths = []
     for name, draw in PLOTS.items():
         fig = draw(values)
-        path = directory / f"bench_{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        paths.append(directory / f"bench_{name}.png")
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
-        paths.append(path)
     return paths

@@ -1,16 +1,11 @@
 """The roofline against the clock: measure the machine once, predict every forward call, time it, divide.
 
-Introduced in chapter 7. Three numbers describe the machine: peak FLOP/s (a large
-matrix product), streaming bandwidth (a large matrix-vector product) and the fixed
-cost of one tensor operation (a decode step of a model whose every width is shrunk
-until its tensors are a few kilobytes, divided by the operations it dispatches).
-`labcode.roofline.predict` turns them, with the counted FLOPs, bytes and operations,
-into seconds; each point here is also timed, with the wall clock and with the
-process's CPU time, and the two are divided. Beside each call timed, the fixed cost and
-the ceilings of its products are measured again (`StreamProbe`: products of the call's rows
-through each shape of weight, and a decode step's keys and values, on their own; what
-streams at a memory-side ceiling, what computes at a compute-side one), and the call is
-predicted with them.
+Introduced in chapter 7. Three numbers describe the machine: peak FLOP/s (a large matrix
+product), streaming bandwidth (a large matrix-vector product) and the fixed cost of one
+tensor operation (a decode step of the model shrunk to tensors of a few kilobytes, over the
+operations it dispatches). `labcode.roofline.predict` turns them, with the counted FLOPs,
+bytes and operations, into seconds. Beside each timed call the fixed cost and the ceilings
+of its products (`StreamProbe`) are measured again, and the call is predicted with them too.
 """
 
 from __future__ import annotations
@@ -67,11 +62,9 @@ def count_ops(fn) -> int:
 
 
 def fill_cache(cache, model: GPT, batch: int, length: int) -> None:
-    """Write `length` positions of [B, Hkv, D] keys and values into every layer of `cache`, as the model would.
-
-    The values are one random row repeated: a step's time does not depend on them, and
-    a large batch is filled without drawing gigabytes of random numbers.
-    """
+    """Write `length` positions of [B, Hkv, D] keys and values into every layer of `cache`, as the model would: one
+    random row repeated (a step's time does not depend on the values, and a large batch fills without gigabytes
+    of random numbers)."""
     if length == 0:
         return
     cfg = model.cfg
@@ -106,21 +99,24 @@ def measure_overhead(cfg: GPTConfig, device: torch.device, position: int = 64, s
             "steps_timed": len(runs)}
 
 
+def flop_rates(fn, flops: int, device: torch.device, repeats: int) -> dict:
+    """FLOP/s of `flops` FLOPs in one call of `fn()`, wall clock and CPU time (medians of `repeats`, after one)."""
+    fn()
+    runs = [timed_cpu(fn, device) for _ in range(repeats)]
+    return {"flops_per_s": flops / median([w for w, _ in runs]),
+            "cpu_flops_per_s": flops / max(median([c for _, c in runs]), 1e-9)}
+
+
 def measure_peak(device: torch.device, n: int = 1024, repeats: int = 7) -> dict:
-    """FLOP/s of an n x n x n float32 matrix product (median of `repeats`), wall clock and CPU time."""
+    """FLOP/s of an n x n x n float32 matrix product, wall clock and CPU time."""
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device) for _ in range(2))
-    a @ b
-    runs = [timed_cpu(lambda: a @ b, device) for _ in range(repeats)]
-    flops = 2 * n**3
-    return {"n": n, "flops_per_s": flops / median([w for w, _ in runs]),
-            "cpu_flops_per_s": flops / max(median([c for _, c in runs]), 1e-9)}
+    return {"n": n, **flop_rates(lambda: a @ b, 2 * n**3, device, repeats)}
 
 
 def measure_machine(device: torch.device, streamer: Streamer, overhead_preset: str = "gpt2-124m",
                     overhead_min_s: float = 0.5) -> dict:
-    """The roofline's three numbers for this machine, in wall-clock and CPU time, with their raw measurements (the
-    bandwidth read every way `streamer` knows)."""
+    """The roofline's three numbers for this machine, in wall-clock and CPU time, with their raw measurements."""
     peak = measure_peak(device)
     bw = streamer.measure()
     over = measure_overhead(get_config(overhead_preset), device, min_s=overhead_min_s)
@@ -134,19 +130,14 @@ def measure_machine(device: torch.device, streamer: Streamer, overhead_preset: s
     }
 
 
-def row_ceilings(rows: list[dict], clock: str, balance: float) -> tuple[tuple[int, float], ...]:
-    """(R, FLOP/s) of the `measure_rows` products at an intensity of at least the machine's balance: below it, a
-    product's rate measures the bandwidth, not its arithmetic."""
-    key = "flops_per_s" if clock == "wall" else "cpu_flops_per_s"
-    return tuple((r["rows"], r[key]) for r in sorted(rows, key=lambda r: r["rows"]) if r["intensity"] >= balance)
-
-
 def machine_of(measured: dict, clock: str = "wall") -> Machine:
-    """The `Machine` a `measure_machine` result describes, in `clock` ("wall" or "cpu"), with the compute-bound
-    products of few rows it holds (`measure_rows`, under "rows") as its `row_ceilings`."""
-    m = measured[clock]
+    """The `Machine` a `measure_machine` result describes, in `clock` ("wall" or "cpu"). Its `row_ceilings` are the
+    products of few rows it holds (`measure_rows`, under "rows") at an intensity of at least the machine's balance:
+    below it, a product's rate measures the bandwidth, not its arithmetic."""
+    m, key = measured[clock], "flops_per_s" if clock == "wall" else "cpu_flops_per_s"
     balance = m["peak_flops_per_s"] / m["bandwidth_bytes_per_s"]
-    return Machine(**m, row_ceilings=row_ceilings(measured.get("rows", []), clock, balance))
+    rows = sorted(measured.get("rows", []), key=lambda r: r["rows"])
+    return Machine(**m, row_ceilings=tuple((r["rows"], r[key]) for r in rows if r["intensity"] >= balance))
 
 
 def machine_at(measured: dict, point: dict, clock: str = "wall") -> Machine:
@@ -199,9 +190,8 @@ def cost_of(cfg: GPTConfig, kind: str, t_new: int, s_cached: int, batch: int = 1
 
 def timed_rounds(one_round, min_s: float = 0.0, max_rounds: int = 50, beside=None,
                  min_rounds: int = 1) -> tuple[list, dict]:
-    """(wall, CPU) seconds of the calls of `one_round()`, called until they add up to `min_s` seconds (`min_rounds`
-    times at least, `max_rounds` times at most), and those of `beside()`, called after every round if given: a
-    dict of lists of (wall, CPU) seconds by name, gathered name by name."""
+    """(wall, CPU) seconds of the calls of `one_round()`, called until they add up to `min_s` seconds (at least
+    `min_rounds`, at most `max_rounds` times), and {name: [(wall, CPU)]} of `beside()`'s, called after each round."""
     runs, other = [], {}
     for n in range(1, max_rounds + 1):
         runs += one_round()
@@ -214,9 +204,8 @@ def timed_rounds(one_round, min_s: float = 0.0, max_rounds: int = 50, beside=Non
 
 
 class StreamRound(NamedTuple):
-    """What `StreamProbe.at` measures beside a call: the bytes of each memory-bound part, the FLOPs of each
-    compute-bound one (and the call's own FLOPs through that shape: its weight in `compute_ceiling`), the
-    operations of each part, and one timed round."""
+    """What `StreamProbe.at` measures beside a call: bytes of each memory-bound part, FLOPs of each compute-bound
+    one (and the call's own through that shape), operations of each part, and one timed round."""
 
     nbytes: dict
     ops: dict
@@ -235,22 +224,14 @@ def beside_call(probe, stream: StreamRound):
     return lambda: {"overhead": probe(), **stream.one_round()}
 
 
-def medians(timed_calls: dict) -> dict:
-    """{name: (median wall, median CPU seconds)} of `timed_rounds`'s calls beside."""
-    return {k: (median([w for w, _ in v]), median([c for _, c in v])) for k, v in timed_calls.items()}
-
-
 class StreamProbe:
     """The ceilings of a model's call, measured beside it: what each shape of its weights streams at (or computes
     at, where products of the call's rows are compute-bound) and what a decode step's keys and values stream at.
 
-    Each weight shape (`labcode.roofline.weight_shapes`) of at least `min_matrix_kbytes` (a smaller product
-    measures its dispatch) gets enough distinct matrices in the benchmark's layout, `min_mbytes` in all, that
-    none is still in a cache when read again. The keys and values are the step's own: L layers of B sequences
-    holding S + 1 positions, read by one query each through `labcode.model.attend`. `ceilings` and
-    `compute_ceiling` turn the timed rounds into bytes/s and FLOP/s, less the fixed cost of their operations
-    (which the prediction counts once, for the whole call).
-    """
+    Each weight shape of at least `min_matrix_kbytes` (a smaller product measures its dispatch) gets enough
+    distinct matrices in the benchmark's layout, `min_mbytes` in all, that none is still in a cache when read
+    again; the keys and values are the step's own, read through `labcode.model.attend`. `ceilings` and
+    `compute_ceiling` turn the rounds into bytes/s and FLOP/s, less the fixed cost of their operations."""
 
     def __init__(self, cfg: GPTConfig, device: torch.device, min_mbytes: int = 64,
                  min_matrix_kbytes: int = 512) -> None:
@@ -340,8 +321,7 @@ def stream_machine(machine: Machine, rates: dict, rows: int, products_flops: flo
 
 def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int, warmup: int,
                    capacity: int | None = None) -> tuple[int, object]:
-    """(operations of one decode step, a function that times `repeats` steps from S in a fresh cache of `capacity`
-    positions, by default the model's context)."""
+    """(operations of one decode step, a function timing `repeats` steps from S in a fresh cache of `capacity`)."""
     cfg, device, batch = model.cfg, model.device, token.shape[0]
 
     def start():
@@ -365,10 +345,8 @@ def _decode_rounds(model: GPT, token: torch.Tensor, s_cached: int, repeats: int,
 @torch.inference_mode()
 def overhead_probe(cfg: GPTConfig, device: torch.device, position: int = 64, steps: int = 3,
                    batch: int = 1) -> tuple[int, object]:
-    """(operations of one step, a function timing `steps` decode steps) of `shrunk_model(cfg)` for `batch`
-    sequences from `position`: the fixed cost per operation (at that batch: an operation over B sequences of
-    almost no data still costs more than over one), measured in rounds interleaved with a timed call
-    (`time_point(beside=...)`)."""
+    """(operations of one step, a function timing `steps` decode steps) of `shrunk_model(cfg)` for `batch` sequences
+    from `position`: the fixed cost per operation at that batch, measured beside a timed call (`time_point`)."""
     model = shrunk_model(cfg, device)
     position = min(position, cfg.context_length // 2)
     steps = max(1, min(steps, cfg.context_length - position - 3))
@@ -381,10 +359,9 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
                warmup: int = 2, min_s: float = 0.0, max_rounds: int = 50, beside=None, min_rounds: int = 1) -> dict:
     """Median wall and CPU seconds of one forward call of `kind`, and the operations it dispatches.
 
-    Decode times `repeats` consecutive steps from S (`s_mid` is the middle one); prefill and uncached calls start
-    from the same state each time. Calls are timed in rounds until they add up to `min_s` seconds (`timed_rounds`).
-    `beside()`, returning {name: [(wall, CPU) seconds]} of other calls, runs after every round; their medians come
-    back as `beside`: measured in the same moments as the call, whatever the machine's speed did meanwhile.
+    Decode times `repeats` consecutive steps from S (`s_mid` is the middle one); prefill and uncached calls start from
+    the same state each time; in rounds until they add up to `min_s` seconds. `beside()` ({name: [(wall, CPU)]} of
+    other calls) runs after every round; their medians come back as `beside`, measured in the same moments.
     """
     cfg, device = model.cfg, model.device
     gen = torch.Generator().manual_seed(t_new + 7 * s_cached)
@@ -415,7 +392,7 @@ def time_point(model: GPT, kind: str, t_new: int, s_cached: int, batch: int = 1,
     out = {"kind": kind, "t_new": t_new, "s_cached": s_cached, "s_mid": s_mid, "batch": batch, "ops": ops,
            "step_s": median(walls), "step_cpu_s": median(cpus), "step_min_s": min(walls), "timed": len(runs)}
     if beside is not None:
-        out["beside"] = medians(other)
+        out["beside"] = {k: (median([w for w, _ in v]), median([c for _, c in v])) for k, v in other.items()}
     return out
 
 
@@ -432,13 +409,10 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
     """Every point of every preset, timed and predicted; `points` holds `points_for`'s arguments.
 
     Decode points time `repeats` steps (at least `min_rounds` rounds), prefill and uncached calls about half as
-    many, each in rounds until they add up to `min_s` seconds. Between the rounds, `overhead_steps` decode steps
-    of the preset's model shrunk (`overhead_probe`) measure the fixed cost per operation again, and a
-    `StreamProbe` round the ceilings of the call's products (and of a decode step's keys and values): a shared
-    machine's speed changes by tens of percent from one second to the next, and what is measured in the same
-    moments changes with it. The point is predicted with them (`annotate`) and, as before, with the machine's
-    numbers alone. Returns, per preset, the points with their counted cost, measured seconds, predictions and
-    measured / predicted in both clocks.
+    many, in rounds until they add up to `min_s` seconds. Between the rounds the fixed cost (`overhead_probe`)
+    and the ceilings (`StreamProbe`) are measured again: a shared machine's speed changes from one second to the
+    next, and what is measured in the same moments changes with it. Returns, per preset, the points with their
+    counted cost, measured seconds, predictions (`annotate`) and measured / predicted in both clocks.
     """
 
     out = {}
@@ -471,10 +445,9 @@ def bench_roofline(presets: tuple[str, ...], points: dict, machine: dict, device
 
 
 def annotate(cfg: GPTConfig, row: dict, machine: dict, stream: StreamRound, probe_ops: int) -> None:
-    """Add to a timed point (`time_point` with `beside`) what was measured beside it, the fixed cost per operation
-    and the ceilings of its products (`ceilings`, bytes/s; `products_flops`, FLOP/s or None), and its predictions
-    (`predicted`, with them; `plain`, with one bandwidth and the peak of the point's rows measured at the start)
-    and measured / predicted in both clocks."""
+    """Add to a timed point (`time_point` with `beside`) the fixed cost per operation and the ceilings measured
+    beside it (`ceilings`, bytes/s; `products_flops`, FLOP/s or None), its predictions (`predicted` with them,
+    `plain` with the machine's numbers of the start) and measured / predicted, in both clocks."""
     beside = row.pop("beside")
     row["overhead_s_per_op"], row["overhead_cpu_s_per_op"] = (x / probe_ops for x in beside.pop("overhead"))
     for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
@@ -501,18 +474,14 @@ def summary(result: dict, tolerance: float = TOLERANCE) -> dict:
     out = {}
     for preset, run in result.items():
         pts = run["points"]
-        per_kind = {}
-        for kind in KINDS:
-            mine = [p for p in pts if p["kind"] == kind]
-            if not mine:
-                continue
-            per_kind[kind] = {
-                "worst_factor": worst_factor([p["ratio"] for p in mine]),
-                "worst_factor_cpu": worst_factor([p["ratio_cpu"] for p in mine]),
-                "worst_factor_no_overhead": worst_factor([p["ratio_no_overhead"] for p in mine]),
-                "overhead_share": [p["predicted"]["t_overhead"] / p["predicted"]["seconds"] for p in mine],
-                "overhead_dominates": [p["predicted"]["bound"] == "overhead" for p in mine],
-            }
+        by_kind = {kind: [p for p in pts if p["kind"] == kind] for kind in KINDS}
+        per_kind = {kind: {
+            "worst_factor": worst_factor([p["ratio"] for p in mine]),
+            "worst_factor_cpu": worst_factor([p["ratio_cpu"] for p in mine]),
+            "worst_factor_no_overhead": worst_factor([p["ratio_no_overhead"] for p in mine]),
+            "overhead_share": [p["predicted"]["t_overhead"] / p["predicted"]["seconds"] for p in mine],
+            "overhead_dominates": [p["predicted"]["bound"] == "overhead" for p in mine],
+        } for kind, mine in by_kind.items() if mine}
         out[preset] = {
             "kinds": per_kind,
             "worst_factor": worst_factor([p["ratio"] for p in pts]),
@@ -526,8 +495,8 @@ def summary(result: dict, tolerance: float = TOLERANCE) -> dict:
 
 def measure_rows(device: torch.device, shape: tuple[int, int] = (3072, 768), rows: tuple[int, ...] = (1, 4, 16, 64,
                  256, 1024), min_mbytes: int = 64, repeats: int = 3) -> list[dict]:
-    """FLOP/s of `F.linear` with R rows through a weight [out, in] (enough distinct weights cycled that none stays in
-    a cache): how close products with few rows get to the peak their intensity allows."""
+    """FLOP/s of `F.linear` with R rows through distinct weights [out, in] (none still in a cache when read): how
+    close products with few rows get to the peak their intensity allows."""
     gen = torch.Generator().manual_seed(0)
     n_out, n_in = shape
     copies = max(1, -(-min_mbytes * 2**20 // (4 * n_out * n_in)))
@@ -535,12 +504,8 @@ def measure_rows(device: torch.device, shape: tuple[int, int] = (3072, 768), row
     out = []
     for r in rows:
         x = torch.randn(r, n_in, generator=gen).to(device)
-        fn = lambda x=x: [torch.nn.functional.linear(x, w) for w in ws]  # noqa: E731
-        fn()
-        runs = [timed_cpu(fn, device) for _ in range(repeats)]
         flops = 2 * r * n_in * n_out * copies
-        out.append({"rows": r, "flops_per_s": flops / median([w for w, _ in runs]),
-                    "cpu_flops_per_s": flops / max(median([c for _, c in runs]), 1e-9),
+        out.append({"rows": r, **flop_rates(lambda x=x: [F.linear(x, w) for w in ws], flops, device, repeats),
                     "intensity": flops / (4 * (n_out * n_in + r * (n_in + n_out)) * copies)})
     return out
 
@@ -582,14 +547,13 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, measured: dict, mo
                                 min_rounds=sizes.decode_min_rounds, progress=shown)
     res.value("roofline", result, TIMED)
     wall = machine_of(measured)
-    overhead = measured["overhead"]
-    extra = {"crossover": {p: overhead_crossover(get_config(p), wall, _ops(result[p]))
-                           for p in sizes.roofline_presets}}
-    for preset, run in res.doc["values"]["generation"].items():
-        if preset in result:
-            extra.setdefault("generation", {})[preset] = roofline_speedup(get_config(preset), run, result[preset],
-                                                                          wall)
-    res.value("roofline_summary", {**summary(result), "overhead_measured_on": overhead["preset"], **extra}, TIMED)
+    extra = {"crossover": {p: overhead_crossover(get_config(p), wall, _ops(result[p])) for p in sizes.roofline_presets}}
+    speedups = {preset: roofline_speedup(get_config(preset), run, result[preset], wall)
+                for preset, run in res.doc["values"]["generation"].items() if preset in result}
+    if speedups:
+        extra["generation"] = speedups
+    res.value("roofline_summary", {**summary(result), "overhead_measured_on": measured["overhead"]["preset"], **extra},
+              TIMED)
 
 
 def _ops(run: dict, kind: str = "decode") -> int:

@@ -1,11 +1,8 @@
-"""The performance targets of the benchmark record, as data: each with its measured value, met or not, and the
-measured reason where not met.
+"""The benchmark record's performance targets, as data: each with its measured value, verdict and, where missed, why.
 
-Introduced in chapter 7. A target is a row of `TARGETS`: its name, claim and reason are
-templates over facts, the numbers a small function reads from the record's values (one
-set of facts per preset where a target is held per preset). `targets(values)` reads only
-the record's values, so a committed record's targets can be recomputed without running
-anything. Reported, never enforced.
+Introduced in chapter 7. A target is a row of `TARGETS`: its name, claim and reason are templates over facts that a
+small function reads from the record's values (one set per preset where a target is held per preset), so a committed
+record's targets can be recomputed without running anything. Reported, never enforced.
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ def _ratio(a: float, b: float) -> float:
 def _append(values: dict, target: float) -> list[dict]:
     """The append benchmark's medians in µs per step, at the short ("candle") and the long cache."""
     ap = values["append"]
-    med = {k: {n: s * 1e6 for n, s in v["median_step_s"].items()} for k, v in ap.items()}
-    short, long = med["candle"], med["long"]
+    short, long = ({n: s * 1e6 for n, s in ap[k]["median_step_s"].items()} for k in ("candle", "long"))
     return [{"short_len": ap["candle"]["setup"]["prefill"], "long_len": ap["long"]["setup"]["prefill"],
              "narrow_us": values["machine"]["op_overhead_us"]["one-row narrow().copy_()"],
              "n_tensors": 2 * ap["candle"]["setup"]["n_layers"],
@@ -69,8 +65,7 @@ def _append(values: dict, target: float) -> list[dict]:
 
 
 def streams(ops: dict, clock: str = "") -> str:
-    """The operations of a decode step (`floor.op_breakdown`) farthest above their floor time, with the bandwidth
-    each achieved, against the floor's."""
+    """The decode step's operations (`floor.op_breakdown`) farthest above their floor time, and the rate of each."""
     rows = ops["operations" + clock]
     bw = ops["floor_bytes"] / ops["floor" + clock + "_s"]
     worst = sorted(((k, r) for k, r in rows.items() if "excess_s" in r and k in CATEGORIES),
@@ -82,8 +77,7 @@ def streams(ops: dict, clock: str = "") -> str:
 
 
 def _floor(values: dict, target: float, step: str = "model", clock: str = "") -> list[dict]:
-    """The worst ratio to the floor of the model's whole step (or the lean one) at the floor's preset, and what
-    its operations stream at."""
+    """The worst ratio to the floor of the model's step (or the lean one) at the floor's preset, and its streams."""
     preset, ops = values["floor_ops"]["preset"], values["floor_ops"][step]
     run = values["compiled"]["runs"][preset]
     if clock and run["device"] != "cpu":
@@ -99,26 +93,22 @@ def _window(values: dict, target: float) -> list[dict]:
     wc = values["window_vs_concat"]
     rows = list(zip(wc["keys"], wc["cat_over_window"], wc["window_q"], wc["cat_q"], strict=True))
     slower = [f"{k} keys ({r:.3f})" for k, r, q_w, q_c in rows if r < 1 and q_w[0] <= q_c[1]]
+    why = (f"where the window is slower, the two steps' interquartile ranges overlap at {', '.join(slower)}: equal "
+           "within the noise" if slower else "the window step is slower beyond the spread of the measurements")
     return [{"preset": values["floor_ops"]["preset"], "keys": wc["keys"][-1], "worst": min(wc["cat_over_window"]),
-             "pulls_ahead_at": next((k for k, r, q_w, q_c in rows if r > 1 and q_w[1] < q_c[0]), None),
-             "why": "where the window is slower, the two steps' interquartile ranges overlap at " + ", ".join(slower)
-             + ": equal within the noise" if slower else "the window step is slower beyond the spread of the "
-             "measurements"}]
+             "pulls_ahead_at": next((k for k, r, q_w, q_c in rows if r > 1 and q_w[1] < q_c[0]), None), "why": why}]
 
 
 def _why_off(values: dict, point: dict) -> str:
-    """Why a roofline point missed its prediction, by what bounds it: what products of that many rows reached
-    beside it, or at the start of the run (compute), where the decode step's stream rates are (memory); the fixed
-    cost is in the record beside it."""
-    bound = point["predicted"]["bound"]
-    machine = values["roofline_machine"]
-    rows = machine.get("rows", [])
+    """Why a roofline point missed its prediction, by what bounds it: the rate of products of that many rows
+    (compute), the cost of its operations (overhead), or where the decode step's stream rates are (memory)."""
+    bound, machine = point["predicted"]["bound"], values["roofline_machine"]
     if bound == "compute" and point.get("products_flops"):
         return (f"; beside it, products of {point['t_new'] * point['batch']} rows through its weights ran at "
                 f"{point['products_flops'] / 1e9:.3g} GFLOP/s, "
                 f"{point['products_flops'] / machine['wall']['peak_flops_per_s']:.0%} of the measured peak")
-    if bound == "compute" and rows:
-        near = min(rows, key=lambda r: abs(math.log(r["rows"] / max(point["t_new"] * point["batch"], 1))))
+    if bound == "compute" and machine.get("rows"):
+        near = min(machine["rows"], key=lambda r: abs(math.log(r["rows"] / max(point["t_new"] * point["batch"], 1))))
         return (f"; products with {near['rows']} rows run at {near['flops_per_s'] / 1e9:.3g} GFLOP/s, "
                 f"{near['flops_per_s'] / machine['wall']['peak_flops_per_s']:.0%} of the measured peak")
     if bound == "overhead":
@@ -148,8 +138,7 @@ def _roofline(values: dict, target: float) -> list[dict]:
              "measured_cpu": max(summ[p]["worst_factor_cpu"] for p in presets),
              "without_overhead_where_it_does_not_dominate": worst_factor(no_overhead),
              "overhead_dominates": ", ".join(dominated) or "nowhere",
-             "worst_by_kind": {p: {k: summ[p]["kinds"][k]["worst_factor"] for k in summ[p]["kinds"]}
-                               for p in presets},
+             "worst_by_kind": {p: {k: v["worst_factor"] for k, v in summ[p]["kinds"].items()} for p in presets},
              "overhead_crossover_d_model": {p: summ["crossover"][p]["crossover_d_model"] for p in presets},
              "point": f"{worst['kind']} of T={worst['t_new']} after S={worst['s_cached']} at {preset}",
              "ratio": worst["ratio"], "bound": worst["predicted"]["bound"], "why": _why_off(values, worst)}]
@@ -157,11 +146,10 @@ def _roofline(values: dict, target: float) -> list[dict]:
 
 def _batch(values: dict, target: float) -> list[dict]:
     """Every decode step of the batch sweep against its prediction, and those outside the tolerance."""
-    points = [{"preset": preset, "s": run["s_cached"], "b": b, **{k: run[k][i] for k in (
-              "ratio", "ratio_cpu", "ratio_plain", "ceilings", "overhead_s_per_op")},
+    points = [{"preset": preset, "s": run["s_cached"], "b": b, "bound": run["predicted"]["bound"][i],
+               "t_parts": run["predicted"]["t_parts"][i], "ops": run["ops_by_batch"][i], "step_s": run["step_s"][i],
                "products_flops": run.get("products_flops", [None] * len(run["batch"]))[i],
-               "step_s": run["step_s"][i], "t_parts": run["predicted"]["t_parts"][i], "ops": run["ops_by_batch"][i],
-               "bound": run["predicted"]["bound"][i]}
+               **{k: run[k][i] for k in ("ratio", "ratio_cpu", "ratio_plain", "ceilings", "overhead_s_per_op")}}
               for preset, res in values["batch"].items() for run in res["runs"] for i, b in enumerate(run["batch"])]
 
     def beside(p: dict) -> str:
@@ -178,40 +166,32 @@ def _batch(values: dict, target: float) -> list[dict]:
 
     outside = [p for p in points if worst_factor([p["ratio"]]) > target]
     return [{"presets": ", ".join(values["batch"]), "worst": worst_factor([p["ratio"] for p in points]),
-             "measured_cpu": worst_factor([p["ratio_cpu"] for p in points]),
-             "one_bandwidth": worst_factor([p["ratio_plain"] for p in points]),
-             "points": len(points), "outside": len(outside),
+             "measured_cpu": worst_factor([p["ratio_cpu"] for p in points]), "points": len(points),
+             "one_bandwidth": worst_factor([p["ratio_plain"] for p in points]), "outside": len(outside),
              "steps": "; ".join(f"{p['preset']} B = {p['b']} at S = {p['s']}: {p['ratio']:.3g}x ({p['bound']}-bound; "
                                 f"beside it {beside(p)})" for p in outside)}]
 
 
 def speedup_at_floor(run: dict, steps: dict) -> float:
-    """No-cache time over the time a cached generation would take if every decode step ran exactly at the floor.
-
-    The cached prompt pass keeps its measured time; decode step i reads all weights and
-    the keys of P + i positions at the bandwidth measured beside the whole steps of the same
-    preset (`steps`, a run of `compiled.bench_compiled`). An upper bound on what any cache
-    can show on this machine in this precision.
-    """
+    """No-cache time over the time a cached generation would take if every decode step ran exactly at the floor:
+    the prompt pass as measured, then all weights and the keys so far at the bandwidth of `steps` (a run of
+    `compiled.bench_compiled`). An upper bound on what any cache can show on this machine in this precision."""
     bw, per_key = median(steps["bandwidth_bytes_per_s"]), steps["kv_bytes_per_key"]
     floors = [(steps["weight_bytes"] + per_key * p) / bw for p in run["positions"][1:]]  # p keys, the new one included
     return _ratio(run["total_s"]["nocache"], run["per_step_s"]["window"][0] + sum(floors))
 
 
 def _speedup(values: dict, target: float) -> list[dict]:
-    """Per generated preset the roofline timed: the cache's measured speedup against the predicted one."""
+    """Per generated preset the roofline timed: the cache's measured speedup, the predicted one and the floor's."""
     out = []
     for preset, g in values["roofline_summary"].get("generation", {}).items():
-        run = values["generation"][preset]
-        f = {"preset": preset, "prompt_len": run["prompt_len"], "new_tokens": run["new_tokens"],
-             "off": worst_factor([g["ratio"]]), "measured_speedup": g["measured_speedup"],
-             "predicted_speedup": g["predicted_speedup"], "flop_count_speedup": run["predicted_speedup"],
-             "nocache_off": g["measured_nocache_s"] / g["predicted_nocache_s"],
-             "cached_off": g["measured_cached_s"] / g["predicted_cached_s"]}
-        steps = values["compiled"]["runs"].get(preset)
-        if steps:  # the largest speedup a cache could show if decode ran at the floor
-            f["speedup_at_floor"] = speedup_at_floor(run, steps)
-        out.append(f)
+        run, steps = values["generation"][preset], values["compiled"]["runs"].get(preset)
+        out.append({"preset": preset, "prompt_len": run["prompt_len"], "new_tokens": run["new_tokens"],
+                    "off": worst_factor([g["ratio"]]), "measured_speedup": g["measured_speedup"],
+                    "predicted_speedup": g["predicted_speedup"], "flop_count_speedup": run["predicted_speedup"],
+                    "nocache_off": g["measured_nocache_s"] / g["predicted_nocache_s"],
+                    "cached_off": g["measured_cached_s"] / g["predicted_cached_s"],
+                    **({"speedup_at_floor": speedup_at_floor(run, steps)} if steps else {})})
     return out
 
 
@@ -223,18 +203,16 @@ def _compiled(values: dict, target: float) -> list[dict]:
     for preset in [p for p in COMPILED_PRESETS if p in runs] or list(runs)[-1:]:
         r = runs[preset]
         fast = fastest_variant(r["variants"])
-        ops, eager = r["operations"], min(r["variants"]["eager model"]["over_floor"])
-        bw = sum(r["bandwidth_bytes_per_s"]) / len(r["bandwidth_bytes_per_s"])
-        ms = {n: {k: v * 1e3 for k, v in ops[n]["s_per_step"].items()} for n in ("eager model", fast)}
+        eager, ops = min(r["variants"]["eager model"]["over_floor"]), r["operations"][fast]
+        ms = {n: {k: v * 1e3 for k, v in r["operations"][n]["s_per_step"].items()} for n in ("eager model", fast)}
+        rates = [f"{k} {ops['bytes_per_s'][k] / 1e9:.3g} GB/s ({ms[fast][k]:.3g} ms)"
+                 for k in ("products with weights", "attention") if k in ops["bytes_per_s"]]
+        gains = [f"{g:.3g}x at {p}" for p, g in zip(r["positions"], r["speedup"][fast], strict=True)]
         out.append({"preset": preset, "fast": fast, "over_floor": max(r["variants"][fast]["over_floor"]),
-                    "speedup": min(r["speedup"][fast]), "position": ops[fast]["position"], "bw_gbs": bw / 1e9,
-                    "streams": ", ".join(f"{k} {ops[fast]['bytes_per_s'][k] / 1e9:.3g} GB/s ({ms[fast][k]:.3g} ms)"
-                                         for k in ("products with weights", "attention")
-                                         if k in ops[fast]["bytes_per_s"]),
-                    "gains": ", ".join(f"{g:.3g}x at {p}" for p, g in zip(r["positions"], r["speedup"][fast],
-                                                                           strict=True)),
-                    "eager_best": eager, "room": f", so {target:g}x its speed would beat the floor"
-                    if eager < target else "",
+                    "speedup": min(r["speedup"][fast]), "position": ops["position"],
+                    "bw_gbs": sum(r["bandwidth_bytes_per_s"]) / len(r["bandwidth_bytes_per_s"]) / 1e9,
+                    "streams": ", ".join(rates), "gains": ", ".join(gains), "eager_best": eager,
+                    "room": f", so {target:g}x its speed would beat the floor" if eager < target else "",
                     "products_eager_ms": ms["eager model"]["products with weights"],
                     "products_fast_ms": ms[fast]["products with weights"],
                     "other_eager_ms": ms["eager model"]["other"], "other_fast_ms": ms[fast]["other"]})
@@ -266,9 +244,8 @@ TARGETS = (
     Target("cat_grows", "cat append at cache length {long_len} costs more than {target:g}x its cost at {short_len}",
            ">", 1.3, "cat_growth", "cat: {cat_short_us:.3g} µs per step at {short_len}, {cat_long_us:.3g} µs at "
            "{long_len}; " + APPEND_CALLS, _append),
-    Target("slice_vs_cat_long", "slice write is at least {target:g}x cheaper than cat at cache length {long_len}",
-           ">=", 20.0, "cat_over_slice_long", "cat: {cat_long_us:.3g} µs per step at {long_len}; " + APPEND_CALLS,
-           _append),
+    Target("slice_vs_cat_long", "slice write is at least {target:g}x cheaper than cat at cache length {long_len}", ">=",
+           20.0, "cat_over_slice_long", "cat: {cat_long_us:.3g} µs per step at {long_len}; " + APPEND_CALLS, _append),
     Target("decode_near_floor", "cached decode at {preset} " + FLOOR_CLAIM + " (wall clock)", "<=", 1.3, "worst",
            "the model's step at position {position}, operation by operation, {streams}", _floor,
            ("products_only", "lean")),
@@ -291,8 +268,7 @@ TARGETS = (
     Target("batch_prediction", "every decode step of the batch sweep ({presets}) within {target:g}x of the roofline "
            "with each weight shape and the keys and values at the streaming rate measured beside it (compute-bound "
            "products at the rate they reached beside it), + operations x the fixed cost (wall clock)", "<=",
-           TOLERANCE, "worst", "{steps}", _batch,
-           ("measured_cpu", "one_bandwidth", "points", "outside")),
+           TOLERANCE, "worst", "{steps}", _batch, ("measured_cpu", "one_bandwidth", "points", "outside")),
     Target("speedup_{preset}", "cached generation at {preset} ({prompt_len}-token prompt, {new_tokens} new) as much "
            "faster than no cache as the roofline predicts, within {target:g}x", "<=", TOLERANCE, "off",
            "measured {measured_speedup:.3g}x against {predicted_speedup:.3g}x predicted: no cache took "
@@ -315,6 +291,5 @@ TARGETS = (
 
 def targets(values: dict, only: tuple[str, ...] | None = None) -> list[dict]:
     """The record's entry for every target of `TARGETS` (or those named in `only`) and every set of facts the
-    record has for it: the measured value, whether it was met and, if not, the measured reason. Reported, never
-    enforced."""
+    record has for it: the measured value, whether it was met and, if not, the measured reason."""
     return [t.judge(f) for t in TARGETS if only is None or t.name in only for f in t.facts(values, t.target)]

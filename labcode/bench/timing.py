@@ -22,15 +22,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds one call of `fn` takes, including the device work it queues."""
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
-
-
 def timed_cpu(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
     """Wall-clock and process CPU seconds of one call of `fn`.
 
@@ -44,19 +35,19 @@ def timed_cpu(fn: Callable[[], object], device: torch.device) -> tuple[float, fl
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds one call of `fn` takes, including the device work it queues."""
+    return timed_cpu(fn, device)[0]
+
+
 def median(values: Sequence[float]) -> float:
     """The median, or NaN for no values."""
     return statistics.median(values) if len(values) else float("nan")
 
 
-def interleaved_samples(
-    fns: dict[str, Callable[[], object]],
-    repeats: int = 20,
-    warmup: int = 3,
-    *,
-    threads: int | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, list[float]]:
+def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3, *,
+                        threads: int | None = None, clock: Callable[[], float] = time.perf_counter
+                        ) -> dict[str, list[float]]:
     """Seconds per call of each zero-argument function, `repeats` rounds of one call each, after `warmup` rounds.
 
     The functions take turns within every round, so a busy moment hits all alike and sample i of each comes from
@@ -83,14 +74,8 @@ def interleaved_samples(
     return times
 
 
-def time_interleaved(
-    fns: dict[str, Callable[[], object]],
-    repeats: int = 20,
-    warmup: int = 3,
-    *,
-    threads: int | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, float]:
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3, *,
+                     threads: int | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each zero-argument function, timed in turns (see `interleaved_samples`)."""
     samples = interleaved_samples(fns, repeats, warmup, threads=threads, clock=clock)
     return {name: median(ts) for name, ts in samples.items()}
@@ -167,10 +152,9 @@ def op_overhead(device: torch.device, dtype: torch.dtype = torch.float32) -> dic
 class Streamer:
     """Reads of a matrix far bigger than the caches, several ways; the fastest is the memory bandwidth the floor uses.
 
-    The ways: a matrix-vector product with the matrix stored row by row, the same by column, a sum of every
-    element, and, with `packed` (it compiles: the benchmark's full run only), the product compiled with the
-    matrix packed for inductor's own kernel (`labcode.fused.packing`), the way the compiled decode step reads its
-    weights. A floor that a step's own kind of read could beat would not be a floor."""
+    The ways: a matrix-vector product with the matrix stored by row, by column, a sum of every element and, with
+    `packed` (it compiles), the product compiled on the matrix packed as the compiled step packs its weights
+    (`labcode.fused.packing`). A floor that a step's own kind of read could beat would not be a floor."""
 
     def __init__(self, mbytes: int, device: torch.device, dtype: torch.dtype = torch.float32,
                  packed: bool = False) -> None:
@@ -206,10 +190,8 @@ class Streamer:
         return self.row_major.nbytes
 
     def measure(self, repeats: int = 3) -> dict[str, float]:
-        """Bytes per second of each way of reading the matrix, median of `repeats`.
-
-        Keys: each way's name (`row_major`, `col_major`, `sum`, `packed` where compiled) and `best` (wall clock), and
-        the same with `_cpu` (CPU time)."""
+        """Bytes per second of each way of reading the matrix (median of `repeats`), by name, and `best`; with `_cpu`,
+        the same in CPU time."""
         out = {}
         for name, way in self.ways.items():
             runs = [timed_cpu(way, self.device) for _ in range(repeats)]
