@@ -520,6 +520,31 @@ def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):
     assert not problems, problems
 
 
+def test_six_short_columns_fit_a_phone(page: Page, book_server):
+    """On a phone a show_table table of six short columns (chapter 7's table of cache layouts) fits the
+    text column, its text a size smaller than on a desk (book/_static/kvcv.css), instead of scrolling."""
+    doc = CHAPTERS[0] if CHAPTERS else "book/running"
+    header = "".join(f'<th class="kvcv-{a}">{h}</th>' for h, a in
+                     zip(("layout", "Hkv", "format", "bytes/token", "plain", "paged"), "lrlrrr", strict=True))
+    row = "".join(f'<td class="kvcv-{a}">{x}</td>' for x, a in
+                  zip(("GQA", "3", "bfloat16", "9,216", "1,820", "1,849"), "lrlrrr", strict=True))
+    html = (f'<div class="kvcv-table-wrap" id="six"><table class="table kvcv-table"><thead><tr>{header}</tr>'
+            f"</thead><tbody><tr>{row}</tr></tbody></table></div>")
+    sizes = {}
+    for width in (DESKTOP, PHONE):
+        page.set_viewport_size({"width": width, "height": 900})
+        open_page(page, book_server, doc)
+        page.evaluate("html => document.querySelector('article.bd-article h1').insertAdjacentHTML('afterend', html)",
+                      html)
+        sizes[width] = page.evaluate(
+            """() => { const w = document.getElementById("six"), td = w.querySelector("td");
+                       return [w.scrollWidth, w.clientWidth, parseFloat(getComputedStyle(td).fontSize)]; }"""
+        )
+    scroll, client, phone_px = sizes[PHONE]
+    assert scroll <= client, f"six short columns need {scroll} px on a {PHONE} px phone; the column has {client} px"
+    assert phone_px < sizes[DESKTOP][2], f"a table's text is {phone_px} px on a phone, as on a desk"
+
+
 def test_no_page_pans_sideways_on_a_phone(measured_pages):
     """At 390 px no page is wider than the screen: long inline code wraps (book/_static/kvcv.css),
     and whatever is wider than the column scrolls inside its own box."""

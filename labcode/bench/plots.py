@@ -94,8 +94,14 @@ def plot_roofline(values: dict) -> Figure:
     return fig
 
 
-def plot_roofline_fit(values: dict, tolerance: float = 1.5) -> Figure:
+def _goal(values: dict, name: str) -> float:
+    """The number of the record's first target whose name starts with `name`."""
+    return next(float(t["target"]) for t in values["targets"] if t["name"].startswith(name))
+
+
+def plot_roofline_fit(values: dict) -> Figure:
     """Measured seconds against the roofline's prediction for every timed call, with the target's band."""
+    tolerance = _goal(values, "roofline_prediction")
     fig, ax = figure(height=4.2)
     pts = [p for run in values["roofline"].values() for p in run["points"]]
     lo = min(min(p["step_s"], p["predicted"]["seconds"]) for p in pts) * 1e3 / 2
@@ -206,8 +212,9 @@ def plot_window_vs_concat(values: dict) -> Figure:
     return fig
 
 
-def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
+def plot_floor_ratio(values: dict) -> Figure:
     """Decode step time over the bandwidth floor against the position, for each variant of the step recorded."""
+    target = _goal(values, "decode_near_floor")
     res = values["compiled"]["runs"][values["floor_ops"]["preset"]]
     fig, ax = figure(height=3.8)
     shown = (("eager model", "the model"), ("products only", "its tensor operations only"), ("lean", "lean step"),
@@ -222,8 +229,9 @@ def plot_floor_ratio(values: dict, target: float = 1.3) -> Figure:
     return _below(fig)
 
 
-def plot_compiled(values: dict, target: float = 1.3) -> Figure:
+def plot_compiled(values: dict) -> Figure:
     """The decode step over its floor at every preset (its worst position), for each variant every preset has."""
+    target = _goal(values, "compiled_near_floor")
     runs = values["compiled"]["runs"]
     presets = list(runs)
     names = [n for n in ("eager model", "fused eager", "compiled unpacked", "compiled")
