@@ -111,11 +111,11 @@ def bench_compiled(model: GPT, name: str, positions: tuple[int, ...], steps: int
                **{n: _ModelStep(model, capacity, step) for n, step in (extra or {}).items()},
                "fused eager": fused_step(model, capacity)}
     compile_s = {}  # the library's products on the weights as stored, then inductor's own on the weights packed for it
-    for n, cat, packed in (("compiled unpacked", False, False), ("compiled", False, True),
-                           ("compiled concat", True, True)):
-        if compile and (concat or not cat):
-            runners[n] = fused_step(model, capacity, concat=cat)
-            compile_s[n] = runners[n].compiled(packed=packed)
+    compiled = {"compiled unpacked": (False, False), "compiled": (False, True)}  # (concatenating, packed)
+    compiled.update({"compiled concat": (True, True)} if concat else {})
+    for n, (cat, packed) in compiled.items() if compile else ():
+        runners[n] = fused_step(model, capacity, concat=cat)
+        compile_s[n] = runners[n].compiled(packed=packed)
     names = list(runners)
     diffs = _logit_diffs(model, runners, positions[-1])
     times = {n: {p: [] for p in positions} for n in names}
