@@ -191,3 +191,13 @@ def test_quantized_bytes_are_what_the_quantized_cache_holds(n_layers, batch, tok
 def test_quantized_bytes_reject_a_group_that_does_not_divide_the_head():
     with pytest.raises(ValueError, match="group_size: expected None or a positive divisor of head_dim=64, got 10"):
         quantized_kv_cache_bytes(1, 1, 1, 1, 64, 10)
+
+
+def test_a_figure_reads_its_target_by_name_not_by_the_start_of_a_longer_one():
+    from labcode.bench.plots import _goal
+
+    record = {"targets": [{"name": "decode_near_floor_lean", "target": 9.0},
+                          {"name": "decode_near_floor", "target": 1.3},
+                          {"name": "compiled_near_floor_gpt2-124m", "target": 1.25}]}
+    assert _goal(record, "decode_near_floor") == 1.3  # the exact name, though a longer one comes first
+    assert _goal(record, "compiled_near_floor") == 1.25  # a family of per-preset targets: its first

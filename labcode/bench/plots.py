@@ -95,8 +95,10 @@ def plot_roofline(values: dict) -> Figure:
 
 
 def _goal(values: dict, name: str) -> float:
-    """The number of the record's first target whose name starts with `name`."""
-    return next(float(t["target"]) for t in values["targets"] if t["name"].startswith(name))
+    """The number of the record's target `name`, or where there is none of that name, of the first of its family
+    (`compiled_near_floor` for `compiled_near_floor_{preset}`)."""
+    goals = {t["name"]: float(t["target"]) for t in values["targets"]}
+    return goals[name] if name in goals else next(g for n, g in goals.items() if n.startswith(name + "_"))
 
 
 def plot_roofline_fit(values: dict) -> Figure:
