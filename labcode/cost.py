@@ -19,16 +19,22 @@ def kv_cache_bytes(n_layers: int, batch: int, tokens: int, n_kv_heads: int, head
 
 
 def quantized_kv_cache_bytes(n_layers: int, batch: int, tokens: int, n_kv_heads: int, head_dim: int,
-                             group_size: int | None = None) -> int:
-    """Bytes of an int8 K/V cache (labcode.engines.quant): one-byte codes plus a float32 scale per group.
+                             group_size: int | None = None, bits: int = 8) -> int:
+    """Bytes of a quantised K/V cache (labcode.engines.quant): codes plus a float32 scale per group.
 
     A group is a token's whole head vector by default (group_size None): D + 4 bytes per token and
-    head, for keys and for values, instead of D * 4 in float32.
+    head in int8, for keys and for values, instead of D * 4 in float32. Codes of 2 or 4 bits pack
+    8 / bits to a byte (D / 2 + 4 bytes in int4); codes of any other width take a byte each.
     """
     group = head_dim if group_size is None else group_size
     if not (isinstance(group, int) and group > 0 and head_dim % group == 0):
         raise ValueError(f"group_size: expected None or a positive divisor of head_dim={head_dim}, got {group_size!r}")
-    per_head = head_dim + 4 * (head_dim // group)  # int8 codes + float32 scales
+    if not (isinstance(bits, int) and 2 <= bits <= 8):
+        raise ValueError(f"bits: expected an int in [2, 8], got {bits!r}")
+    per = 8 // bits if bits in (2, 4) else 1  # codes to a byte
+    if head_dim % per:
+        raise ValueError(f"head_dim: expected a multiple of {per} for {bits}-bit codes, got {head_dim}")
+    per_head = head_dim // per + 4 * (head_dim // group)  # codes + float32 scales
     return 2 * n_layers * batch * tokens * n_kv_heads * per_head
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from labcode import GPT, GPTConfig
 from labcode.caches import CacheError, ConcatCache
 from labcode.caches.base import states_equal
+from labcode.cost import quantized_kv_cache_bytes
 from labcode.engines import (
     BlockPool,
     CellsCache,
@@ -489,6 +490,45 @@ def test_quantized_cache_keeps_logits_close_and_stores_fewer_bytes():
     d = CFG.head_dim  # per token and head: D one-byte codes and one 4-byte scale, for K and V
     assert plain.nbytes == CFG.n_layers * 2 * CFG.n_kv_heads * 30 * (d + 4)
     assert plain.nbytes < concat.nbytes / 4
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize(("group", "rotate"), [(None, False), (4, False), (None, True)])
+def test_quantized_cache_packs_narrow_codes_without_losing_any(bits, group, rotate):
+    """Codes of 2 and 4 bits are stored 8 / bits to a byte: the cache gives exactly the logits, the
+    reads and, after a rollback and a reorder, the state of the same cache keeping one code a byte,
+    and holds the bytes `quantized_kv_cache_bytes` counts (D / 2 + 4 per token and head in int4)."""
+    model, seq = MODELS[False], tokens(30, 6)
+    packed = QuantizedCache(CFG.n_layers, bits=bits, group_size=group, rotate=rotate)
+    one_a_byte = QuantizedCache(CFG.n_layers, bits=bits, group_size=group, rotate=rotate)
+    one_a_byte.packed = False  # the reference: every code in its own byte
+    assert packed.packed == (bits in (2, 4))
+    sizes = [10] + [1] * 20
+    assert torch.equal(run_chunks(model, packed, seq, sizes), run_chunks(model, one_a_byte, seq, sizes))
+    d, hkv, n = CFG.head_dim, CFG.n_kv_heads, CFG.n_layers
+    assert packed.nbytes == quantized_kv_cache_bytes(n, 1, 30, hkv, d, group, bits)
+    per_head = (d * bits // 8 if bits in (2, 4) else d) + 4 * (d // (group or d))  # codes, float32 scales
+    assert packed.nbytes == 2 * n * 30 * hkv * per_head
+    for cache in (packed, one_a_byte):
+        cache.rollback(7)
+        cache.reorder(torch.tensor([0, 0]))  # two copies of the one sequence, as a beam search makes
+    more = torch.tensor([tokens(4, 7), tokens(4, 8)])
+    assert torch.equal(model(more, packed), model(more, one_a_byte))
+    for layer in range(n):
+        assert all(torch.equal(a, b) for a, b in zip(packed.read(layer), one_a_byte.read(layer), strict=True))
+
+
+def test_packed_codes_need_a_head_dim_they_fill():
+    odd = GPT(CFG.with_(d_model=24, n_heads=4, n_kv_heads=2)).double().eval()  # D = 6
+    fine = QuantizedCache(CFG.n_layers, bits=4)
+    odd(torch.tensor([[1, 2]]), fine)  # int4: two codes to a byte, and 6 is even
+    cache = QuantizedCache(CFG.n_layers, bits=2)
+    rejected(cache, lambda: odd(torch.tensor([[1, 2]]), cache), CacheError,
+             r"k, v: expected a head dim that is a multiple of 4 \(codes of 2 bits pack into bytes\), got 6")
+    with pytest.raises(ValueError, match="head_dim: expected a multiple of 4 for 2-bit codes, got 6"):
+        quantized_kv_cache_bytes(1, 1, 1, 1, 6, bits=2)
+    with pytest.raises(ValueError, match=r"bits: expected an int in \[2, 8\], got 1"):
+        quantized_kv_cache_bytes(1, 1, 1, 1, 8, bits=1)
 
 
 def test_key_outliers_leave_logits_unchanged_and_rotation_helps():

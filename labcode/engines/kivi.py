@@ -19,23 +19,9 @@ import torch
 
 from labcode.caches.base import CacheError, Chunk, KVCache
 from labcode.checks import fail, is_int
+from labcode.engines.quant import pack, unpack
 
 BITS = (2, 4, 8)
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes uint8 [..., D] in [0, 2^bits) -> bytes uint8 [..., D * bits / 8], 8 / bits codes to a byte."""
-    per = 8 // bits
-    groups = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)  # (..., D/per, per)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (per,)
-    return (groups << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: the sum is an OR
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack`: bytes uint8 [..., D * bits / 8] -> codes uint8 [..., D]."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., D/per, per)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 def quantize_asym(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -37,6 +37,21 @@ def check_format(d: int, bits: int, group_size: int | None) -> int:
     return g
 
 
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes uint8 [..., D] in [0, 2^bits) -> bytes uint8 [..., D * bits / 8], 8 / bits codes to a byte."""
+    per = 8 // bits
+    groups = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)  # (..., D/per, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (per,)
+    return (groups << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: the sum is an OR
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: bytes uint8 [..., D * bits / 8] -> codes uint8 [..., D]."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., D/per, per)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+
+
 def quantize(x: torch.Tensor, bits: int = 8, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (codes int8 [..., D], scales float32 [..., D / group_size]); one group = one token by default."""
     g = check_format(x.shape[-1], bits, group_size)
@@ -65,7 +80,9 @@ def fake_quantize(x: torch.Tensor, bits: int = 8, group_size: int | None = None,
 
 
 class QuantizedCache(KVCache):
-    """Stores int8 codes and float32 scales of K and V (after an optional Hadamard rotation), grown by concatenation."""
+    """Stores integer codes and float32 scales of K and V (after an optional Hadamard rotation), grown by
+    concatenation. Codes of 2 or 4 bits are packed 8 / bits to a byte (the head dim must then be a multiple of
+    8 / bits); codes of any other width take one byte each."""
 
     def __init__(self, n_layers: int, bits: int = 8, group_size: int | None = None, rotate: bool = False) -> None:
         super().__init__(n_layers)
@@ -74,13 +91,19 @@ class QuantizedCache(KVCache):
         if not (group_size is None or (is_int(group_size) and group_size > 0)):
             fail("group_size", "None or a positive int", group_size, CacheError)
         self.bits, self.group_size, self.rotate = bits, group_size, rotate
+        self.packed = bits in (2, 4)  # 8 / bits codes to a byte
         self.codes: list[list[torch.Tensor] | None] = [None] * n_layers  # [k_codes, k_scales, v_codes, v_scales]
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = x @ hadamard(x.shape[-1], x.dtype, x.device) if self.rotate else x
-        return quantize(y, self.bits, self.group_size)
+        codes, scales = quantize(y, self.bits, self.group_size)
+        if self.packed:  # codes in [-qmax, qmax] stored as code + 2^(bits-1), in [1, 2^bits)
+            codes = pack((codes + 2 ** (self.bits - 1)).to(torch.uint8), self.bits)
+        return codes, scales
 
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.packed:
+            codes = unpack(codes, self.bits).to(torch.int8) - 2 ** (self.bits - 1)
         y = dequantize(codes, scales, dtype)
         return y @ hadamard(y.shape[-1], y.dtype, y.device).T if self.rotate else y
 
@@ -89,6 +112,9 @@ class QuantizedCache(KVCache):
         d = chunk.shape[3]
         if self.rotate and d & (d - 1):
             fail("k", "a head dim that is a power of two (for the rotation)", d, CacheError)
+        if self.packed and d % (8 // self.bits):
+            fail("k, v", f"a head dim that is a multiple of {8 // self.bits} (codes of {self.bits} bits pack "
+                 "into bytes)", d, CacheError)
         check_format(d, self.bits, self.group_size)
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
