@@ -130,13 +130,17 @@ def test_free_port_is_a_bindable_loopback_port():
 def test_cost_formulas_on_known_inputs():
     qwen7 = costs.MODELS["Qwen2.5-7B"]
     per_layer = 3584 * 3584 * 2 + 2 * 3584 * 4 * 128 + 3 * 3584 * 18944
+    assert qwen7.layer_params() == 28 * per_layer
     assert qwen7.matmul_params() == 28 * per_layer + 3584 * 152064
+    assert qwen7.params() == 28 * per_layer + 2 * 3584 * 152064  # untied: embedding and head
+    qwen72 = costs.MODELS["Qwen2.5-72B"]
+    assert 72.5e9 < qwen72.params() < 72.8e9  # 72.7 B published, with norms and biases
     assert costs.MODELS["LLaMA-2-7B-32K"].kv_bytes(32768) == 16 * 2**30  # 2 L T Hkv D x 2 bytes = 16 GiB
     # Mooncake's README: 40 GB of cache for 128k tokens of a 70B model with 80 layers and 8 K/V heads of 128.
     assert costs.MODELS["Qwen2.5-72B"].kv_bytes(131072) == 40 * 2**30
     assert costs.ship_seconds(25 * 10**9 // 8, 25) == pytest.approx(1.0)
     cost = costs.prefill_cost(qwen7, 4)
-    assert cost.flops_linear == 2 * 4 * qwen7.matmul_params()
+    assert cost.flops_linear == 2 * 4 * qwen7.layer_params() + 2 * 3584 * 152064  # head: last token only
     assert cost.flops_attention == 4 * 28 * 28 * 128 * (4 * 5 // 2)  # causal: T(T+1)/2 pairs
     for row in costs.cost_table(32768):
         shape = costs.MODELS[row["model"]]

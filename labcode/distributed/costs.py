@@ -2,7 +2,8 @@
 
 Introduced in chapter 10. A cache of T tokens holds 2 L T Hkv D elements; a link of R bit/s ships its
 bytes in 8 * bytes / R seconds. Computing it again is a prefill of T tokens: 2 T P FLOPs in the
-products with the P weights, plus 4 L H D T(T+1)/2 in causal attention (a prefill kernel skips the
+products with the P weights of the layers, 2 C V in the output head for the last token's logits (the
+only ones the next token needs), plus 4 L H D T(T+1)/2 in causal attention (a prefill kernel skips the
 masked half), at best at an accelerator's peak: chapter 7's roofline (`labcode.roofline.predict`)
 gives the seconds. Shipping pays where it is faster than that prefill, that is on links faster than
 8 * bytes / seconds(prefill): the crossover rate.
@@ -34,6 +35,7 @@ class ModelShape:
     vocab_size: int  # V
     context_length: int  # max_position_embeddings
     gated_mlp: bool = True  # three MLP matrices (gate, up, down) instead of two
+    tied_embeddings: bool = False  # tie_word_embeddings: the output head is the input embedding
     source: str = ""  # where the numbers were read
 
     def __post_init__(self) -> None:
@@ -42,12 +44,21 @@ class ModelShape:
             if not (is_int(getattr(self, name)) and getattr(self, name) > 0):
                 fail(f"ModelShape.{name}", "a positive int", repr(getattr(self, name)))
 
-    def matmul_params(self) -> int:
-        """Weights multiplied by every token: q, k, v, out and the MLP in each layer, and the output head."""
+    def layer_params(self) -> int:
+        """Weights of the layers' products: q, k, v, out and the MLP in each layer."""
         c, d = self.d_model, self.head_dim
         attention = c * self.n_heads * d + 2 * c * self.n_kv_heads * d + self.n_heads * d * c
         mlp = (3 if self.gated_mlp else 2) * c * self.d_ff
-        return self.n_layers * (attention + mlp) + c * self.vocab_size
+        return self.n_layers * (attention + mlp)
+
+    def matmul_params(self) -> int:
+        """Weights of every product of a token that gets logits: the layers' and the output head's."""
+        return self.layer_params() + self.d_model * self.vocab_size
+
+    def params(self) -> int:
+        """Weights held: the products' and, unless it is tied to the head, the input embedding (norms and
+        biases, under 0.1 % of these models, left out)."""
+        return self.matmul_params() + (0 if self.tied_embeddings else self.d_model * self.vocab_size)
 
     def kv_bytes(self, tokens: int, bytes_per_element: int = 2) -> int:
         """Cache bytes of one sequence of `tokens` tokens: 2 L T Hkv D elements."""
@@ -74,7 +85,8 @@ def prefill_cost(shape: ModelShape, tokens: int, bytes_per_element: int = 2) -> 
     """FLOPs and bytes of a prefill of `tokens` tokens, as chapter 7's `StepCost`.
 
     Causal attention counted as computed by a kernel that skips masked blocks: T(T+1)/2 query-key
-    pairs per head and layer. Bytes: every weight once, the new keys and values written and read
+    pairs per head and layer. The output head runs for the last token only: the cache and the next
+    token need no other logits. Bytes: every weight once, the new keys and values written and read
     once; activations stay on chip (a fused kernel's best case), so the bytes are a floor too.
     """
     if not (is_int(tokens) and tokens > 0):
@@ -82,7 +94,7 @@ def prefill_cost(shape: ModelShape, tokens: int, bytes_per_element: int = 2) -> 
     pairs = tokens * (tokens + 1) // 2
     kv = shape.kv_bytes(tokens, bytes_per_element)
     return StepCost(
-        flops_linear=2 * tokens * shape.matmul_params(),
+        flops_linear=2 * tokens * shape.layer_params() + 2 * shape.d_model * shape.vocab_size,
         flops_attention=4 * shape.n_layers * shape.n_heads * shape.head_dim * pairs,
         weight_bytes=bytes_per_element * shape.matmul_params(),
         kv_read_bytes=kv, kv_write_bytes=kv,

@@ -7,10 +7,11 @@ quantised per token (one scale and zero point per token, or per group of channel
 asymmetric: codes = round((x - min) / scale), scale = (max - min) / (2^bits - 1), so 2 bits give
 four levels between the group's min and max. Codes are packed 8 / bits to a byte.
 
-The latest R tokens are kept in full precision (the residual, as Hugging Face's quantized cache
-keeps one): a token is quantised, with its group, once the whole group is older than the latest
-R. So when a token is quantised depends only on how many tokens the cache holds, and the T new
-tokens of a pass always attend to themselves in full precision.
+The latest R tokens are kept in full precision (the residual): a token is quantised, with its group,
+once the whole group is older than the latest R. So when a token is quantised depends only on how many
+tokens the cache holds, and the T new tokens of a pass always attend to themselves in full precision.
+This is one rule for keys and values alike; KIVI's reference code quantises its exact keys R at a time
+and slides its exact values one token at a time (the chapter compares them).
 """
 
 from __future__ import annotations
