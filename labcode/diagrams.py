@@ -472,7 +472,7 @@ def _head_weights(model, ids: torch.Tensor, layer: int, head: int, tol: float) -
 
     from labcode.caches.concat import ConcatCache
     from labcode.masks import causal_mask
-    from labcode.model import rotate
+    from labcode.rope import rotate
 
     attn, seen = model.blocks[layer].attn, {}
     hooks = [attn.q_proj.register_forward_hook(lambda m, i, out: seen.setdefault("q", out)),

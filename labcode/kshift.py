@@ -13,7 +13,7 @@ import torch
 
 from labcode.caches.concat import ConcatCache
 from labcode.checks import fail, is_int
-from labcode.model import rotate
+from labcode.rope import rotate
 
 
 def shift_keys(k: torch.Tensor, delta: int, base: float) -> torch.Tensor:

@@ -29,7 +29,7 @@ from labcode.checks import fail
 from labcode.config import GPTConfig
 from labcode.cost import kv_cache_bytes
 from labcode.masks import causal_mask, sliding_window_mask
-from labcode.model import rotate
+from labcode.rope import rotate
 
 MODES = ("naive", "absorbed")
 

@@ -23,18 +23,8 @@ from labcode.caches.styles import as_cache
 from labcode.checks import fail
 from labcode.config import GPTConfig
 from labcode.masks import causal_mask, sliding_window_mask
-
-
-def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary position embedding of x [B, H, T, D] at absolute `positions` [T] or [B, T] (pairs (i, i + D/2))."""
-    d = x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)  # (D/2,)
-    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    if positions.dim() == 2:  # one row of positions per sequence (chapter 9): broadcast over heads
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D/2)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+from labcode.mla import LatentAttention
+from labcode.rope import rotate
 
 
 def _normal_(p: torch.Tensor, std: float) -> None:
@@ -153,20 +143,13 @@ def feed_forward(cfg: GPTConfig) -> nn.Module:
     )
 
 
-def latent_attention(cfg: GPTConfig) -> nn.Module:
-    """Multi-head latent attention (`cfg.kv_latent`), which lives in labcode/mla.py and builds on this module."""
-    from labcode.mla import LatentAttention  # imported when asked for: mla.py imports this module
-
-    return LatentAttention(cfg)
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig, owns_kv: bool = True) -> None:
         super().__init__()
         self.ln_1 = norm(cfg)
-        self.attn = CausalSelfAttention(cfg, owns_kv) if cfg.kv_latent is None else latent_attention(cfg)
+        self.attn = CausalSelfAttention(cfg, owns_kv) if cfg.kv_latent is None else LatentAttention(cfg)
         self.ln_2 = norm(cfg)
         self.mlp = feed_forward(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from labcode.checks import fail, is_int
-from labcode.model import GPT, rotate
+from labcode.model import GPT
+from labcode.rope import rotate
 
 RULES = ("absolute", "cache")
 

@@ -23,8 +23,9 @@ from labcode.bench.timing import Streamer, median, per_call, profiled, rotated, 
 from labcode.caches import ConcatCache, WindowCache
 from labcode.config import get_config
 from labcode.generate import decode_step
-from labcode.model import GPT, attend, rotate
+from labcode.model import GPT, attend
 from labcode.results import QAResult
+from labcode.rope import rotate
 
 CATEGORIES = ("q/k/v projections", "output projection", "MLP up", "MLP down", "head", "attention", "cache write",
               "other")
