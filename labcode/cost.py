@@ -18,6 +18,12 @@ def kv_cache_bytes(n_layers: int, batch: int, tokens: int, n_kv_heads: int, head
     return kv_cache_elements(n_layers, batch, tokens, n_kv_heads, head_dim) * bytes_per_element
 
 
+def codes_per_byte(bits: int) -> int:
+    """How many codes of `bits` bits a quantised cache stores in one byte: 8 / bits for 2 and 4 bits,
+    one otherwise (3, 5, 6 or 7 bits do not divide a byte, and 8 fill it)."""
+    return 8 // bits if bits in (2, 4) else 1
+
+
 def quantized_kv_cache_bytes(n_layers: int, batch: int, tokens: int, n_kv_heads: int, head_dim: int,
                              group_size: int | None = None, bits: int = 8) -> int:
     """Bytes of a quantised K/V cache (labcode.engines.quant): codes plus a float32 scale per group.
@@ -31,7 +37,7 @@ def quantized_kv_cache_bytes(n_layers: int, batch: int, tokens: int, n_kv_heads:
         raise ValueError(f"group_size: expected None or a positive divisor of head_dim={head_dim}, got {group_size!r}")
     if not (isinstance(bits, int) and 2 <= bits <= 8):
         raise ValueError(f"bits: expected an int in [2, 8], got {bits!r}")
-    per = 8 // bits if bits in (2, 4) else 1  # codes to a byte
+    per = codes_per_byte(bits)
     if head_dim % per:
         raise ValueError(f"head_dim: expected a multiple of {per} for {bits}-bit codes, got {head_dim}")
     per_head = head_dim // per + 4 * (head_dim // group)  # codes + float32 scales

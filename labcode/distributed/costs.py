@@ -51,14 +51,18 @@ class ModelShape:
         mlp = (3 if self.gated_mlp else 2) * c * self.d_ff
         return self.n_layers * (attention + mlp)
 
+    def head_params(self) -> int:
+        """Weights of the output head, C V (the input embedding has as many)."""
+        return self.d_model * self.vocab_size
+
     def matmul_params(self) -> int:
         """Weights of every product of a token that gets logits: the layers' and the output head's."""
-        return self.layer_params() + self.d_model * self.vocab_size
+        return self.layer_params() + self.head_params()
 
     def params(self) -> int:
         """Weights held: the products' and, unless it is tied to the head, the input embedding (norms and
         biases, under 0.1 % of these models, left out)."""
-        return self.matmul_params() + (0 if self.tied_embeddings else self.d_model * self.vocab_size)
+        return self.matmul_params() + (0 if self.tied_embeddings else self.head_params())
 
     def kv_bytes(self, tokens: int, bytes_per_element: int = 2) -> int:
         """Cache bytes of one sequence of `tokens` tokens: 2 L T Hkv D elements."""
@@ -94,7 +98,7 @@ def prefill_cost(shape: ModelShape, tokens: int, bytes_per_element: int = 2) -> 
     pairs = tokens * (tokens + 1) // 2
     kv = shape.kv_bytes(tokens, bytes_per_element)
     return StepCost(
-        flops_linear=2 * tokens * shape.layer_params() + 2 * shape.d_model * shape.vocab_size,
+        flops_linear=2 * tokens * shape.layer_params() + 2 * shape.head_params(),
         flops_attention=4 * shape.n_layers * shape.n_heads * shape.head_dim * pairs,
         weight_bytes=bytes_per_element * shape.matmul_params(),
         kv_read_bytes=kv, kv_write_bytes=kv,

@@ -15,6 +15,7 @@ import torch
 
 from labcode.caches.base import CacheError, Chunk, KVCache
 from labcode.checks import fail, is_int
+from labcode.cost import codes_per_byte
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> torch.Tensor:
@@ -91,7 +92,8 @@ class QuantizedCache(KVCache):
         if not (group_size is None or (is_int(group_size) and group_size > 0)):
             fail("group_size", "None or a positive int", group_size, CacheError)
         self.bits, self.group_size, self.rotate = bits, group_size, rotate
-        self.packed = bits in (2, 4)  # 8 / bits codes to a byte
+        self.per_byte = codes_per_byte(bits)
+        self.packed = self.per_byte > 1
         self.codes: list[list[torch.Tensor] | None] = [None] * n_layers  # [k_codes, k_scales, v_codes, v_scales]
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +114,8 @@ class QuantizedCache(KVCache):
         d = chunk.shape[3]
         if self.rotate and d & (d - 1):
             fail("k", "a head dim that is a power of two (for the rotation)", d, CacheError)
-        if self.packed and d % (8 // self.bits):
-            fail("k, v", f"a head dim that is a multiple of {8 // self.bits} (codes of {self.bits} bits pack "
+        if d % self.per_byte:
+            fail("k, v", f"a head dim that is a multiple of {self.per_byte} (codes of {self.bits} bits pack "
                  "into bytes)", d, CacheError)
         check_format(d, self.bits, self.group_size)
 
