@@ -180,6 +180,7 @@ def test_solutions_are_hidden_until_clicked(measured_pages):
 # ---- everything fits: code, outputs, tables and equations; figures with alt text and captions ----
 
 DESKTOP, PHONE = 1280, 390
+STICKY_SHARE = 0.35  # the widest first column a table keeps in view as it scrolls (book/_static/kvcv.js)
 
 # One pass over a page's article (with every folded cell unfolded; a closed dropdown's content is
 # laid out at full width already): every code block, output, table and equation that is wider than
@@ -325,6 +326,38 @@ LAUNCH_JS = r"""
 
 # The page's own width against the screen's, and the elements that stick out past the screen's
 # right edge without a box of theirs that scrolls or clips them.
+# The book's tables (book/_static/kvcv.js, behaviour 6; the report's tables have their own phone
+# layout): whether each scrolls, was set closer, keeps its first column in view, and, scrolled
+# sideways, still shows that column where it was; and whether a number with an exponent was split.
+TABLES_JS = r"""
+() => [...document.querySelectorAll(
+  "article.bd-article .kvcv-table-wrap, article.bd-article .pst-scrollable-table-container")]
+  .filter((w) => w.querySelector(":scope > table:not(.kvcv-verdicts)"))
+  .map((w) => {
+    const table = w.querySelector(":scope > table");
+    const first = table.rows.length ? table.rows[table.rows.length - 1].cells[0] : null;
+    const scrolls = w.scrollWidth > w.clientWidth + 1;
+    let held = null;
+    if (scrolls && first) {
+      const before = first.getBoundingClientRect().left;
+      w.scrollLeft = 80;
+      held = Math.abs(first.getBoundingClientRect().left - before) < 1;
+      w.scrollLeft = 0;
+    }
+    const numbers = [...w.querySelectorAll(".kvcv-nobreak")];
+    return {
+      where: (table.rows[0] ? [...table.rows[0].cells].map((c) => c.textContent.trim()).join(" | ") : "")
+        .replace(/\s+/g, " ").slice(0, 60),
+      scrolls, held,
+      tight: w.classList.contains("kvcv-tight"),
+      sticky: w.classList.contains("kvcv-sticky"),
+      first_share: first ? first.getBoundingClientRect().width / w.clientWidth : 0,
+      numbers: numbers.length,
+      split: numbers.filter((n) => n.getClientRects().length > 1).map((n) => n.textContent),
+    };
+  })
+"""
+
 PAGE_WIDTH_JS = r"""
 () => {
   const width = window.innerWidth;
@@ -369,6 +402,9 @@ def measure(page: Page, doc: str) -> None:
     found["figures", DESKTOP] = page.evaluate(FIGURES_JS)
     found["launch"] = page.evaluate(LAUNCH_JS)
     page.set_viewport_size({"width": PHONE, "height": 844})
+    # The tables are fitted again on the next frame after a change of width (kvcv.js, behaviour 6).
+    page.evaluate("() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))")
+    found["phone_tables"] = page.evaluate(TABLES_JS)
     found[PHONE] = page.evaluate(OVERFLOW_JS, False)
     found["phone_diagrams"] = page.evaluate(DIAGRAMS_JS)
     found["figures", PHONE] = page.evaluate(FIGURES_JS)
@@ -543,6 +579,24 @@ def test_six_short_columns_fit_a_phone(page: Page, book_server):
     scroll, client, phone_px = sizes[PHONE]
     assert scroll <= client, f"six short columns need {scroll} px on a {PHONE} px phone; the column has {client} px"
     assert phone_px < sizes[DESKTOP][2], f"a table's text is {phone_px} px on a phone, as on a desk"
+
+
+def test_wide_tables_fit_or_keep_their_names_on_a_phone(measured_pages):
+    """At 390 px a table wider than the column is set closer (book/_static/kvcv.js, behaviour 6), and
+    most then fit; one that still scrolls keeps its first column in view while it is scrolled, unless
+    that column is itself a wide share of the screen. No number with an exponent splits at its minus."""
+    tables = [(doc, t) for doc in PAGES for t in measured_pages[doc]["phone_tables"]]
+    loose = [f"{doc}: {t['where']}" for doc, t in tables if t["scrolls"] and not t["tight"]]
+    assert not loose, f"tables that scroll on a phone without being set closer first: {loose}"
+    unheld = [f"{doc}: {t['where']} (first column {t['first_share']:.0%} of the screen)" for doc, t in tables
+              if t["scrolls"] and t["first_share"] <= STICKY_SHARE and not (t["sticky"] and t["held"])]
+    assert not unheld, f"tables that scroll on a phone and lose their first column: {unheld}"
+    split = [f"{doc}: {t['split']}" for doc, t in tables if t["split"]]
+    assert not split, f"numbers split across lines in a phone's table: {split}"
+    # Each path was taken somewhere, so none of the checks above went untested.
+    assert any(t["tight"] and not t["scrolls"] for _, t in tables), "no table was made to fit by setting it closer"
+    assert any(t["sticky"] and t["held"] for _, t in tables), "no table kept its first column in view"
+    assert any(t["numbers"] for _, t in tables), "no table holds a number with an exponent"
 
 
 def test_no_page_pans_sideways_on_a_phone(measured_pages):
@@ -751,9 +805,13 @@ def test_report_shows_the_measured_value_beside_its_bound(page: Page, book_serve
                   measured: (r.querySelector("td.kvcv-measured") || {}).innerText,
                   bound: (r.querySelector("td.kvcv-bound") || {}).innerText,
                   verdict: r.cells[3].innerText.trim(),
+                  painted: getComputedStyle(r.cells[3]).backgroundColor !== "rgba(0, 0, 0, 0)",
               }))])"""
     )
     tables = dict(rows)
+    # Every verdict is painted in its colour (kvcv.css), on odd rows as on even ones.
+    unpainted = [(source, i) for source, shown in rows for i, row in enumerate(shown) if not row["painted"]]
+    assert not unpainted, f"verdicts shown without their colour: {unpainted[:10]}"
     problems = []
     for source, doc in docs.items():
         section = re.sub(r"[^a-z0-9]+", "-", source.lower()).strip("-")

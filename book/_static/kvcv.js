@@ -13,7 +13,14 @@
  * 4. The verification report's filter (qa/verdicts): by chapter, verdict and words of the claim;
  *    the address keeps the chapter (?chapter=4), so the report's summary links to it.
  * 5. Inline code in a table may break after / _ : (a <wbr>), so a long name or path does not
- *    widen its column and squeeze the others (chapter 9's comparison of engines).
+ *    widen its column and squeeze the others (chapter 9's comparison of engines); so may a name in
+ *    its text, after a / or _ between letters (full_vs_truncated, bytes/token).
+ *    A number in a table is read whole: one written with an exponent (1e-12) does not break after
+ *    its minus sign.
+ * 6. A table wider than the text column (on a phone, mostly) first sets closer (kvcv-tight), which
+ *    makes most of them fit; one that still does not fit scrolls sideways with its first column
+ *    kept in view (kvcv-sticky), so each row keeps its name, unless that column is itself wide.
+ *    Measured again when the window's width changes (a phone turned) and once the fonts are in.
  */
 (function () {
   "use strict";
@@ -221,15 +228,20 @@
     // The summary's links (?chapter=N#every-claim) reload the page with the chapter chosen.
   }
 
-  /* 5. Break points in a table's inline code. */
+  /* 5. Break points in a table's inline code, and in its names (full_vs_truncated, bytes/token). */
   function breakableTableCode() {
-    var codes = document.querySelectorAll("article.bd-article table code.literal");
-    for (var i = 0; i < codes.length; i++) {
-      var walker = document.createTreeWalker(codes[i], NodeFilter.SHOW_TEXT);
+    breakPoints("article.bd-article table code.literal", /(?<=[\/_:])(?=.)/);
+    breakPoints("article.bd-article table", /(?<=[A-Za-z][\/_])(?=[A-Za-z])/);
+  }
+
+  function breakPoints(selector, after) {
+    var roots = document.querySelectorAll(selector);
+    for (var i = 0; i < roots.length; i++) {
+      var walker = document.createTreeWalker(roots[i], NodeFilter.SHOW_TEXT);
       var texts = [];
       while (walker.nextNode()) texts.push(walker.currentNode);
       texts.forEach(function (node) {
-        var parts = node.data.split(/(?<=[\/_:])(?=.)/);
+        var parts = node.data.split(after);
         if (parts.length < 2) return;
         var frag = document.createDocumentFragment();
         parts.forEach(function (part, k) {
@@ -241,15 +253,74 @@
     }
   }
 
+  var EXPONENT = /[\u2264<>\u2248~]?\d+(?:\.\d+)?e[-+\u2212]\d+/g;
+
+  function wholeTableNumbers() {
+    var tables = document.querySelectorAll("article.bd-article table");
+    for (var i = 0; i < tables.length; i++) {
+      var walker = document.createTreeWalker(tables[i], NodeFilter.SHOW_TEXT);
+      var texts = [];
+      while (walker.nextNode()) if (walker.currentNode.data.search(EXPONENT) >= 0) texts.push(walker.currentNode);
+      texts.forEach(function (node) {
+        var frag = document.createDocumentFragment(), last = 0, data = node.data;
+        data.replace(EXPONENT, function (match, at) {
+          frag.appendChild(document.createTextNode(data.slice(last, at)));
+          var span = document.createElement("span");
+          span.className = "kvcv-nobreak";
+          span.textContent = match;
+          frag.appendChild(span);
+          last = at + match.length;
+        });
+        frag.appendChild(document.createTextNode(data.slice(last)));
+        node.parentNode.replaceChild(frag, node);
+      });
+    }
+  }
+
+  /* 6. Tables that do not fit the column. */
+  var STICKY_SHARE = 0.35; // the most of the column a kept-in-view first column may cover
+
+  function fitTables() {
+    var wraps = document.querySelectorAll(
+      "article.bd-article .kvcv-table-wrap, article.bd-article .pst-scrollable-table-container");
+    for (var i = 0; i < wraps.length; i++) {
+      var wrap = wraps[i], table = wrap.querySelector(":scope > table");
+      if (!table || table.classList.contains("kvcv-verdicts")) continue; // the report has its own phone layout
+      wrap.classList.remove("kvcv-tight", "kvcv-sticky");
+      if (wrap.scrollWidth <= wrap.clientWidth + 1) continue;
+      wrap.classList.add("kvcv-tight");
+      if (wrap.scrollWidth <= wrap.clientWidth + 1) continue;
+      var first = table.rows.length ? table.rows[0].cells[0] : null;
+      if (first && first.getBoundingClientRect().width <= STICKY_SHARE * wrap.clientWidth) {
+        wrap.classList.add("kvcv-sticky");
+      }
+    }
+  }
+
+  function fittedTables() {
+    var width = window.innerWidth;
+    fitTables();
+    window.addEventListener("load", fitTables);
+    if (document.fonts && document.fonts.ready) document.fonts.ready.then(fitTables);
+    window.addEventListener("resize", function () {
+      if (window.innerWidth === width) return; // a phone's toolbar hiding changes only the height
+      width = window.innerWidth;
+      window.requestAnimationFrame(fitTables);
+    });
+  }
+
   function ready() {
     install();
     breakableTableCode();
+    wholeTableNumbers();
+    fittedTables();
     solutionTitles();
     enlargeableFigures();
     reportFilter();
   }
 
   window.KVCVSearch = { texToText: texToText, articleText: articleText };
+  window.KVCVTables = { fit: fitTables };
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", ready);
   else ready();
 })();
