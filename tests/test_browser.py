@@ -1200,12 +1200,13 @@ def test_explorer_counts_int8_scales(page: Page, book_server):
         page, "formula"
     )
 
-    # Sizes side by side read alike: 36.0 MiB next to 1.13 MiB, not 36.00 MiB.
-    sizes = [1000, 1024, 4915, 58752, 208896, 1048575, 1185792, 37748736, 3 * 2**30 + 2**29]
+    # Sizes side by side read alike, three digits each: 36.0 MiB next to 1.13 MiB, not 36.00 MiB, and
+    # 0.984 MiB (not 0.98) just below a mebibyte.
+    sizes = [1000, 1024, 4915, 58752, 208896, 1032192, 1048575, 1185792, 37748736, 3 * 2**30 + 2**29]
     texts = page.evaluate("sizes => sizes.map(window.KVExplorer.formatBytes)", sizes)
     assert texts[0] == "1,000 B"
     for size, text in zip(sizes[1:], texts[1:], strict=True):
-        m = re.fullmatch(r"(\d\.\d\d|\d\d\.\d|\d\d\d) (KiB|MiB|GiB)", text)
+        m = re.fullmatch(r"(0\.\d\d\d|[1-9]\.\d\d|\d\d\.\d|\d\d\d) (KiB|MiB|GiB)", text)
         assert m, f"{size} bytes shown as {text!r}"
         scale = 1024 ** (["KiB", "MiB", "GiB"].index(m[2]) + 1)
         assert abs(float(m[1]) * scale - size) <= 0.005 * size, f"{size} bytes shown as {text!r}"

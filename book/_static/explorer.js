@@ -1,8 +1,8 @@
 /* The KV-cache explorer of "KV Cache, Verified".
  *
  * Plain JavaScript, no dependencies, no network. The counting functions mirror
- * labcode/cost.py (kv_cache_elements, kv_cache_bytes, quantized_kv_cache_bytes,
- * positions_computed) and labcode/generate.py (new_token_budget) argument for argument; the
+ * labcode/cost.py (kv_cache_elements, kv_cache_bytes, quantized_kv_cache_bytes for int8 codes,
+ * positions_computed) and labcode/generate.py (new_token_budget), in the same argument order; the
  * browser tests call window.KVExplorer and compare the results with the Python functions.
  *
  * The widget mounts on every element with the attribute data-kv-explorer; the script is
@@ -188,7 +188,8 @@
     return Math.round(x).toLocaleString("en-US");
   }
 
-  // Three significant digits in every unit, so that neighbouring sizes read alike (36.0 MiB, 1.13 MiB).
+  // Three significant digits in every unit, so that neighbouring sizes read alike (36.0 MiB, 1.13 MiB,
+  // 0.984 MiB just below a mebibyte).
   function fmtBytes(b) {
     if (b < 1024) return fmtInt(b) + " B";
     var units = ["KiB", "MiB", "GiB", "TiB"];
@@ -198,7 +199,7 @@
       x /= 1024;
       i++;
     }
-    var digits = x >= 99.95 ? 0 : x >= 9.995 ? 1 : 2;
+    var digits = x >= 99.95 ? 0 : x >= 9.995 ? 1 : x >= 0.9995 ? 2 : 3;
     return x.toFixed(digits) + " " + units[i];
   }
 
@@ -370,9 +371,9 @@
     this.m = {};
     var stepGrid = el("div", { className: "kvx-metrics" });
     [
-      ["computed", "Positions computed now", "K/V projections, per layer"],
+      ["computed", "Positions computed now", "K/V projections, per sequence and layer"],
       ["reused", "Positions reused", "read from the cache"],
-      ["visible", "Keys the newest query reads", "caching does not shorten this"],
+      ["visible", "Keys the newest query reads", "a window shortens this; caching does not"],
       ["dropped", "Positions dropped", "no longer visible"],
     ].forEach(function (d) {
       var x = metric(d[0], d[1], d[2]);
@@ -397,7 +398,7 @@
     });
     this.saving = el("p", { className: "kvx-hint", "data-kvx": "saving" });
     root.appendChild(el("section", { className: "kvx-section", "aria-label": "Positions computed so far" }, [
-      el("h3", { className: "kvx-h", text: "Positions computed so far (per layer)" }), cum, this.saving,
+      el("h3", { className: "kvx-h", text: "Positions computed so far (per sequence and layer)" }), cum, this.saving,
     ]));
 
     // Memory
@@ -406,7 +407,7 @@
       ["cache-tokens", "Cached positions T", "kept between calls"],
       ["bytes-layer", "Cache bytes per layer", ""],
       ["bytes-total", "Cache bytes, all layers", ""],
-      ["bytes-limit", "The most this cache holds", " "],
+      ["bytes-limit", "Reserved if preallocated", " "],
     ].forEach(function (d) {
       var x = metric(d[0], d[1], d[2]);
       self.m[d[0]] = x.value;
@@ -571,11 +572,12 @@
     this.bars["cum-cached"].fill.style.width = (100 * v.cumCached) / most + "%";
     this.bars["cum-uncached"].fill.style.width = (100 * v.cumUncached) / most + "%";
     this.saving.textContent = v.calls === 0 ? "" :
-      "The cache avoids " + fmtInt(v.cumUncached - v.cumCached) + " position computations per layer so far.";
+      "The cache avoids " + fmtInt(v.cumUncached - v.cumCached) + " position computations per sequence and layer so far.";
 
     var bytesLayer = v.calls ? v.bytesPerLayer : 0;
     var bytesTotal = v.calls ? v.bytesTotal : 0;
-    // The most this cache ever holds: every row of the position table, or W rows with a window.
+    // What a cache preallocated at its full size reserves: every row of the position table, or W rows with a
+    // window (a generation fills at most one row fewer: its last token is never fed back).
     var maxTokens = !s.cache ? 0 : s.window > 0 ? Math.min(s.context, s.window) : s.context;
     var limit = heldBytes(s, MODEL.nLayers, maxTokens);
     this.limitNote.textContent = !s.cache ? "no cache" : "T = " + maxTokens +
