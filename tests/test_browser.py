@@ -19,7 +19,13 @@ from playwright.sync_api import Page
 
 from conftest import ROOT, toc_files
 from labcode.config import get_config
-from labcode.cost import kv_cache_bytes, kv_cache_elements, positions_computed, quantized_kv_cache_bytes
+from labcode.cost import (
+    codes_per_byte,
+    kv_cache_bytes,
+    kv_cache_elements,
+    positions_computed,
+    quantized_kv_cache_bytes,
+)
 from labcode.engines.quant import QuantizedCache
 from labcode.generate import new_token_budget
 from labcode.plotting import PNG_SCALE_KEY, PNG_TEXT_KEY
@@ -926,7 +932,7 @@ def shown(page: Page, key: str) -> str:
     return page.locator(f'[data-kv-explorer] [data-kvx="{key}"]').first.inner_text()
 
 
-def choose(page: Page, setting: str, number: int):
+def choose(page: Page, setting: str, number: float):
     page.locator(f'[data-kv-explorer] select[data-kvx-setting="{setting}"]').select_option(str(number))
 
 
@@ -947,11 +953,22 @@ def test_explorer_functions_match_labcode(page: Page, book_server):
 
     # int8: codes and one float32 scale per position and head (per group, with groups), as
     # labcode.engines.quant.QuantizedCache stores them.
-    qgrid = list(product([1, 12], [1, 3], [0, 1, 9], [1, 4], [16, 64], [None, 8]))
+    qgrid = list(product([1, 12], [1, 3], [0, 1, 9], [1, 4], [16, 64], [None, 8], [8, 4, 2, 3]))
     js = page.evaluate(
-        "grid => grid.map(([l, b, t, h, d, g]) => window.KVExplorer.quantizedCacheBytes(l, b, t, h, d, g))", qgrid
+        "grid => grid.map(([l, b, t, h, d, g, q]) => window.KVExplorer.quantizedCacheBytes(l, b, t, h, d, g, q))",
+        qgrid,
     )
     assert js == [quantized_kv_cache_bytes(*args) for args in qgrid]
+    assert page.evaluate("() => [1, 2, 3, 4, 5, 8].map(window.KVExplorer.codesPerByte)") == [
+        codes_per_byte(b) for b in (1, 2, 3, 4, 5, 8)
+    ]
+    # What labcode refuses, the explorer's function refuses too, rather than counting fractions of a byte.
+    for bad in [(1, 1, 1, 1, 64, 7, 8), (1, 1, 1, 1, 64, None, 9), (1, 1, 1, 1, 5, None, 4)]:
+        with pytest.raises(ValueError):
+            quantized_kv_cache_bytes(*bad)
+        thrown = page.evaluate("a => { try { window.KVExplorer.quantizedCacheBytes(...a); return null; }"
+                               " catch (e) { return e.name; } }", list(bad))
+        assert thrown == "RangeError", (bad, thrown)
     for n_layers, batch, tokens, heads, head_dim, group in [(12, 1, 9, 4, 64, None), (2, 3, 5, 2, 16, 8)]:
         cache = QuantizedCache(n_layers, group_size=group)
         cache.begin((batch, heads, tokens, head_dim), torch.float32, "cpu")  # one pass, as the model makes it
@@ -1177,8 +1194,8 @@ def test_explorer_edge_cases(page: Page, book_server):
 
 def test_explorer_counts_int8_scales(page: Page, book_server):
     """"int8 + scale" holds what chapter 9's QuantizedCache holds: D + 4 bytes per position and head
-    (codes and one float32 scale), so (D + 4) / (4 D) of float32, as qa/engines checks; sizes are
-    shown to three significant digits."""
+    (codes and one float32 scale), so (D + 4) / (4 D) of float32, as qa/engines checks, and "int4 +
+    scale" D / 2 + 4 (two codes to a byte); sizes are shown to three significant digits."""
     watch = explorer(page, book_server)
     model = get_config("gpt2-124m")
     L, D = model.n_layers, model.head_dim
@@ -1199,6 +1216,13 @@ def test_explorer_counts_int8_scales(page: Page, book_server):
     assert f"(D + 4) = 2 × 2 × {L} × 4 × {tokens} × ({D} + 4) = {value(page, 'bytes-total'):,} bytes" in shown(
         page, "formula"
     )
+    choose(page, "bytes", 0.5)  # int4: two codes to a byte, as chapter 9's cache packs them
+    int4 = value(page, "bytes-total")
+    assert int4 == quantized_kv_cache_bytes(L, 2, tokens, 4, D, bits=4) == 2 * L * 2 * tokens * 4 * (D // 2 + 4)
+    assert f"(D / 2 + 4) = 2 × 2 × {L} × 4 × {tokens} × ({D} / 2 + 4) = {value(page, 'bytes-total'):,} bytes" in shown(
+        page, "formula"
+    )
+    assert "type=int4" in page.url
 
     # Sizes side by side read alike, three digits each: 36.0 MiB next to 1.13 MiB, not 36.00 MiB, and
     # 0.984 MiB (not 0.98) just below a mebibyte.
@@ -1267,7 +1291,7 @@ def test_explorer_keeps_its_settings_in_the_address(page: Page, book_server):
     fresh.goto(f"{book_server}book/explorer.html?" + urlencode(query), wait_until="load")
     fresh.locator("[data-kv-explorer] .kvx-strip").wait_for()
     assert _explorer_state(fresh) == before, "a shared address did not restore the view"
-    fresh.goto(f"{book_server}book/explorer.html?prompt=999&kv=5&type=int4&step=x&batch=2", wait_until="load")
+    fresh.goto(f"{book_server}book/explorer.html?prompt=999&kv=5&type=int3&step=x&batch=2", wait_until="load")
     fresh.locator("[data-kv-explorer] .kvx-strip").wait_for()
     state = _explorer_state(fresh)
     defaults = fresh.evaluate("() => window.KVExplorer.DEFAULTS")

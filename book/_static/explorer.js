@@ -1,7 +1,7 @@
 /* The KV-cache explorer of "KV Cache, Verified".
  *
  * Plain JavaScript, no dependencies, no network. The counting functions mirror
- * labcode/cost.py (kv_cache_elements, kv_cache_bytes, quantized_kv_cache_bytes for int8 codes,
+ * labcode/cost.py (kv_cache_elements, kv_cache_bytes, codes_per_byte, quantized_kv_cache_bytes,
  * positions_computed) and labcode/generate.py (new_token_budget), in the same argument order; the
  * browser tests call window.KVExplorer and compare the results with the Python functions.
  *
@@ -24,17 +24,29 @@
     return cacheElements(nLayers, batch, tokens, nKvHeads, headDim) * bytesPerElement;
   }
 
-  function quantizedCacheBytes(nLayers, batch, tokens, nKvHeads, headDim, groupSize) {
-    // int8 codes (1 byte each) plus one float32 scale (4 bytes) per group of each token's head
-    // vector; a group is the whole head vector by default: D + 4 bytes per token and head.
+  function codesPerByte(bits) {
+    // Codes of 2 or 4 bits pack 8 / bits to a byte; any other width takes a byte each.
+    return bits === 2 || bits === 4 ? 8 / bits : 1;
+  }
+
+  function quantizedCacheBytes(nLayers, batch, tokens, nKvHeads, headDim, groupSize, bits) {
+    // Codes plus one float32 scale (4 bytes) per group of each token's head vector; a group is the
+    // whole head vector by default: D + 4 bytes per token and head in int8, D / 2 + 4 in int4.
     var group = groupSize === undefined || groupSize === null ? headDim : groupSize;
-    return 2 * nLayers * batch * tokens * nKvHeads * (headDim + 4 * (headDim / group));
+    var b = bits === undefined ? 8 : bits;
+    if (!(Number.isInteger(group) && group > 0 && headDim % group === 0)) {
+      throw new RangeError("group_size: expected null or a positive divisor of head_dim=" + headDim + ", got " + groupSize);
+    }
+    if (!(Number.isInteger(b) && b >= 2 && b <= 8)) throw new RangeError("bits: expected an int in [2, 8], got " + bits);
+    var per = codesPerByte(b);
+    if (headDim % per) throw new RangeError("head_dim: expected a multiple of " + per + " for " + b + "-bit codes");
+    return 2 * nLayers * batch * tokens * nKvHeads * (headDim / per + 4 * (headDim / group));
   }
 
   // Bytes held for `tokens` positions under settings s: dense for float32 and float16, codes and
-  // scales for int8 (as chapter 9's QuantizedCache stores them).
+  // scales for int8 and int4 (as chapter 9's QuantizedCache stores them; s.bytes is 1 or 0.5).
   function heldBytes(s, nLayers, tokens) {
-    if (s.bytes === 1) return quantizedCacheBytes(nLayers, s.batch, tokens, s.kvHeads, MODEL.headDim);
+    if (s.bytes < 2) return quantizedCacheBytes(nLayers, s.batch, tokens, s.kvHeads, MODEL.headDim, null, 8 * s.bytes);
     return cacheBytes(nLayers, s.batch, tokens, s.kvHeads, MODEL.headDim, s.bytes);
   }
 
@@ -71,7 +83,7 @@
     context: [8, 10, 12, 16, 24, 32, 48, 64, 1024],
     window: [0, 2, 3, 4, 6, 8, 12, 16],
     kvHeads: [12, 6, 4, 3, 2, 1],
-    bytes: [4, 2, 1],
+    bytes: [4, 2, 1, 0.5],
     batch: [1, 2, 4, 8],
   };
   var DEFAULTS = { prompt: 4, newTokens: 8, context: 32, window: 0, kvHeads: 12, bytes: 2, batch: 1, cache: true };
@@ -81,7 +93,7 @@
     prompt: "prompt", newTokens: "new", context: "rows", window: "window", kvHeads: "kv", bytes: "type",
     batch: "batch",
   };
-  var TYPES = { 4: "float32", 2: "float16", 1: "int8" };
+  var TYPES = { 4: "float32", 2: "float16", 1: "int8", 0.5: "int4" };
 
   /* Settings (and step) from a query string such as "?prompt=6&type=int8&cache=off&step=3"; a
    * missing or unknown value keeps its default. */
@@ -292,7 +304,7 @@
         return x + (x === MODEL.nHeads ? " (MHA)" : x === 1 ? " (MQA)" : " (GQA)");
       }],
       ["bytes", "Stored as", OPTIONS.bytes, function (x) {
-        return x === 4 ? "float32 (4 B)" : x === 2 ? "float16 (2 B)" : "int8 + scale";
+        return x === 4 ? "float32 (4 B)" : x === 2 ? "float16 (2 B)" : x === 1 ? "int8 + scale" : "int4 + scale";
       }],
       ["batch", "Batch size B", OPTIONS.batch],
     ];
@@ -300,7 +312,7 @@
       var c = selectControl(id + "-" + sp[0], sp[1], sp[0], sp[2], sp[3]);
       c.select.value = String(self.settings[sp[0]]);
       c.select.addEventListener("change", function () {
-        self.settings[sp[0]] = parseInt(c.select.value, 10);
+        self.settings[sp[0]] = Number(c.select.value);
         self.render();
       });
       self.controls[sp[0]] = c.select;
@@ -595,6 +607,11 @@
         s.batch + " \u00D7 " + MODEL.nLayers + " \u00D7 " + s.kvHeads + " \u00D7 " + v.cacheTokens + " \u00D7 (" +
         MODEL.headDim + " + 4) = " + fmtInt(bytesTotal) + " bytes: a one-byte code per element, and a " +
         "four-byte float32 scale per position and head.";
+    } else if (s.bytes < 1) {
+      this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 (D / 2 + 4) = 2 \u00D7 " +
+        s.batch + " \u00D7 " + MODEL.nLayers + " \u00D7 " + s.kvHeads + " \u00D7 " + v.cacheTokens + " \u00D7 (" +
+        MODEL.headDim + " / 2 + 4) = " + fmtInt(bytesTotal) + " bytes: two four-bit codes to a byte, and a " +
+        "four-byte float32 scale per position and head.";
     } else {
       this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 D \u00D7 bytes = 2 \u00D7 " +
         s.batch + " \u00D7 " + MODEL.nLayers + " \u00D7 " + s.kvHeads + " \u00D7 " + v.cacheTokens + " \u00D7 " +
@@ -616,6 +633,7 @@
     DEFAULTS: DEFAULTS,
     cacheElements: cacheElements,
     cacheBytes: cacheBytes,
+    codesPerByte: codesPerByte,
     quantizedCacheBytes: quantizedCacheBytes,
     positionsComputed: positionsComputed,
     newTokenBudget: newTokenBudget,
