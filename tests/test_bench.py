@@ -583,3 +583,19 @@ def test_the_fixed_cost_is_measured_on_the_calls_own_model_shrunk_at_its_batch()
         assert len(timed_calls) == 2 and all(w > 0 and c >= 0 for w, c in timed_calls)
     small = shrunk_model(cfg, cpu).cfg
     assert (small.n_layers, small.n_heads, small.head_dim) == (cfg.n_layers, cfg.n_heads, 4)
+
+
+def test_torch_threads_sets_the_count_for_the_block_and_restores_it():
+    """The appendix measures the machine on the record's thread count without pinning the reader's: the count
+    is set inside the block only, and restored even when the block raises."""
+    from labcode.bench.timing import torch_threads
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="inside"), torch_threads(1):
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(ValueError), torch_threads(0):
+        pass

@@ -61,3 +61,12 @@ def test_a_chapter_opens_with_its_imports_folded(path):
     first = next(c for c in cells if c["cell_type"] == "code")
     tags = set(first.get("metadata", {}).get("tags", []))
     assert tags & {"hide-input", "remove-input", "remove-cell"}, f"{path.name}: the setup cell is shown in full"
+
+
+def test_notebook_code_passes_the_projects_lint():
+    """Notebook code is held to the project's own lint rules (pyproject.toml: pyflakes, bugbear, import
+    order, upgrades), as labcode is: a loop variable a closure does not bind, a zip() that would
+    silently drop a tail, an unused name, imports out of order."""
+    out = _ruff("check", "--output-format", "concise", "--no-cache", *NOTEBOOKS)
+    findings = [line for line in out.stdout.splitlines() if ".ipynb:" in line]
+    assert out.returncode == 0 and not findings, f"{len(findings)} lint findings:\n" + "\n".join(findings)

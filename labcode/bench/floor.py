@@ -379,6 +379,8 @@ def record(res: QAResult, sizes: Sizes, device: torch.device, model, streamer: S
     res.value("floor_ops", {
         "preset": sizes.floor_preset, "bandwidth": bandwidth, "layouts": {f"{o}x{i}": lay for (o, i), lay in
                                                                           layouts.items()},
+        # "model": the step reduced to the model's tensor operations (compiled's "products only"), not the
+        # model's own step, which has no timer inside
         "model": op_breakdown(LeanDecode(model, lean=False), sizes.floor_ops_position, sizes.floor_ops_steps,
                               bandwidth),
         "lean": op_breakdown(lean, sizes.floor_ops_position, sizes.floor_ops_steps, bandwidth),

@@ -182,14 +182,15 @@ def plot_concurrency(values: dict) -> Figure:
 
 
 def plot_floor_ops(values: dict) -> Figure:
-    """Bandwidth each kind of operation of a decode step achieves, the model's and the lean step's."""
+    """Bandwidth each kind of operation of a decode step achieves, in the step reduced to the model's tensor
+    operations (the record's "model") and in the lean step."""
     ops = values["floor_ops"]
     names = [k for k in ("q/k/v projections", "output projection", "MLP up", "MLP down", "head", "attention")
              if k in ops["model"]["operations"]]
     short = {"q/k/v projections": "q/k/v proj.", "output projection": "output proj."}
     fig, ax = figure(height=4.2)
     ys = range(len(names))
-    for i, (key, label) in enumerate((("model", "the model"), ("lean", "lean step"))):
+    for i, (key, label) in enumerate((("model", "tensor operations only"), ("lean", "lean step"))):
         ax.barh([y + 0.4 * i for y in ys], [ops[key]["operations"][k]["bytes_per_s"] / 1e9 for k in names], 0.4,
                 color=SERIES[i], label=label)
     ax.axvline(ops["bandwidth"]["wall"] / 1e9, color=INK, ls="--", label="streaming bandwidth")
@@ -341,14 +342,15 @@ def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
 
 
 def plot_append_medians(values: dict) -> Figure:
-    """Median µs to append one position to every layer, for each cache and bare operation, at the two cache lengths."""
+    """Median µs to append one position to every layer, for each cache and bare operation, in the two setups (the
+    legend gives the cache lengths each setup's timed steps went through)."""
     runs = values["append"]
     kinds = list(next(iter(runs.values()))["median_step_s"])
     fig, ax = figure(height=5.4)
     height = 0.8 / len(runs)
     for i, (run, color) in enumerate(zip(runs.values(), SERIES, strict=False)):
         ax.barh([k + i * height for k in range(len(kinds))], [run["median_step_s"][k] * US for k in kinds], height,
-                color=color, label=f"{run['setup']['prefill']:,} positions cached")
+                color=color, label=f"{run['cache_length'][0]:,} to {run['cache_length'][-1]:,} positions cached")
     ax.set_yticks([k + height * (len(runs) - 1) / 2 for k in range(len(kinds))],
                   [SHORT_LABELS.get(k, LABELS.get(k, k)) for k in kinds])
     ax.invert_yaxis()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -85,6 +86,21 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int = 20, wa
     return {name: median(ts) for name, ts in samples.items()}
 
 
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's CPU thread count set to `threads` inside the block (None: left as it is), restored after: a
+    measurement taken the way a record was (the benchmark runs on one thread), without pinning the caller's."""
+    if threads is not None and (type(threads) is not int or threads <= 0):
+        fail("threads", "a positive int or None", repr(threads))
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def rotated(names: Sequence[str], k: int) -> list[str]:
     """`names` rotated left by k: who goes first changes every step, so no contender always runs cold."""
     k %= max(len(names), 1)
@@ -129,10 +145,15 @@ def per_call(fn: Callable[[], object], device: torch.device, calls: int = 200, r
     return median(batches)
 
 
+OVERHEAD_BUFFER = (1, 3, 256, 64)  # [B, Hkv, S, D] of the buffer `op_overhead` works on
+
+
 def op_overhead(device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """Microseconds per call of the smallest things a cache append does, on a [1, 3, 256, 64] buffer."""
-    buf = torch.zeros(1, 3, 256, 64, dtype=dtype, device=device)
-    row = torch.ones(1, 3, 1, 64, dtype=dtype, device=device)
+    """Microseconds per call of the smallest things a cache append does, on an `OVERHEAD_BUFFER` buffer; the
+    concatenation copies its first half, 128 rows, and one row more into a new tensor."""
+    b, hkv, s, d = OVERHEAD_BUFFER
+    buf = torch.zeros(b, hkv, s, d, dtype=dtype, device=device)
+    row = torch.ones(b, hkv, 1, d, dtype=dtype, device=device)
     empty = row[:, :, :0]
     one = torch.zeros(1, dtype=dtype, device=device)
 
@@ -148,7 +169,7 @@ def op_overhead(device: torch.device, dtype: torch.dtype = torch.float32) -> dic
         "empty slice assignment": empty_assign,
         "one-row slice assignment": row_assign,
         "one-row narrow().copy_()": lambda: buf.narrow(2, 5, 1).copy_(row),
-        "cat of 128 rows and 1 row": lambda: torch.cat((buf[:, :, :128], row), dim=2),
+        "cat of 128 rows and 1 row": lambda: torch.cat((buf[:, :, : s // 2], row), dim=2),
     }
     return {name: per_call(fn, device) * 1e6 for name, fn in ops.items()}
 
