@@ -235,21 +235,22 @@ def _compiled_window(values: dict, target: float) -> list[dict]:
 
 
 APPEND_CALLS = ("a one-row narrow().copy_() costs {narrow_us:.3g} µs per call whatever the length, {n_tensors} calls "
-                "per step; the bare per-layer write takes {bare_slice_short_us:.3g} µs at {short_len} and "
-                "{bare_slice_long_us:.3g} µs at {long_len}, the course's WindowCache {slice_short_us:.3g} and "
+                "per step; the bare per-layer write takes {bare_slice_short_us:.3g} µs from {short_len} and "
+                "{bare_slice_long_us:.3g} µs from {long_len}, the course's WindowCache {slice_short_us:.3g} and "
                 "{slice_long_us:.3g} µs")
 FLOOR_CLAIM = "within {target:g}x of the memory-bandwidth floor at every measured position"
 BREAKDOWN = ("operation by operation at position {position}, in the step reduced to the model's tensor operations "
              "(products only: no modules, checks or masks), {streams}")  # the record's floor_ops["model"]
 
 TARGETS = (
-    Target("slice_write_flat", "slice-write append at cache length {long_len} costs at most {target:g}x its cost at "
-           "{short_len}", "<=", 1.3, "slice_growth", APPEND_CALLS, _append),
-    Target("cat_grows", "cat append at cache length {long_len} costs more than {target:g}x its cost at {short_len}",
-           ">", 1.3, "cat_growth", "cat: {cat_short_us:.3g} µs per step at {short_len}, {cat_long_us:.3g} µs at "
+    Target("slice_write_flat", "slice-write append, in steps from a cache of {long_len} positions, costs at most "
+           "{target:g}x its cost in steps from {short_len}", "<=", 1.3, "slice_growth", APPEND_CALLS, _append),
+    Target("cat_grows", "cat append, in steps from a cache of {long_len} positions, costs more than {target:g}x its "
+           "cost in steps from {short_len}", ">", 1.3, "cat_growth", "cat: {cat_short_us:.3g} µs per step from "
+           "{short_len}, {cat_long_us:.3g} µs from {long_len}; " + APPEND_CALLS, _append),
+    Target("slice_vs_cat_long", "slice write is at least {target:g}x cheaper than cat in steps from a cache of "
+           "{long_len} positions", ">=", 20.0, "cat_over_slice_long", "cat: {cat_long_us:.3g} µs per step from "
            "{long_len}; " + APPEND_CALLS, _append),
-    Target("slice_vs_cat_long", "slice write is at least {target:g}x cheaper than cat at cache length {long_len}", ">=",
-           20.0, "cat_over_slice_long", "cat: {cat_long_us:.3g} µs per step at {long_len}; " + APPEND_CALLS, _append),
     Target("decode_near_floor", "cached decode at {preset} " + FLOOR_CLAIM + " (wall clock)", "<=", 1.3, "worst",
            BREAKDOWN, _floor,
            ("products_only", "lean")),
