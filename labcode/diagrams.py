@@ -192,8 +192,8 @@ def cells_legend(ax, names: str) -> None:
 
     handles = [Patch(facecolor=OWN[i % len(OWN)], alpha=0.45, edgecolor=INK, linewidth=0.6, label=f"sequence {n}")
                for i, n in enumerate(names)]
-    ax.legend(handles=handles, loc="upper right", ncol=len(names), fontsize=LABEL_FONT, handlelength=1.2,
-              bbox_to_anchor=(1.0, 1.0), borderaxespad=0.0)
+    ax.legend(handles=handles, loc="lower right", ncol=len(names), fontsize=LABEL_FONT, handlelength=1.2,
+              bbox_to_anchor=(1.0, 1.0), borderaxespad=0.0)  # above the axes, clear of their title
 
 
 # -- one layer's key buffer, pass after pass (chapter 5) ------------------------------------------

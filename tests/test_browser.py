@@ -351,10 +351,19 @@ TABLES_JS = r"""
       w.scrollLeft = 0;
     }
     const numbers = [...w.querySelectorAll(".kvcv-nobreak")];
+    // The box's scroll shadows are its background: an opaque row or cell in front of it hides them.
+    const alpha = (c) => {
+      const m = c.match(/rgba?\(([^)]+)\)/);
+      if (m) { const p = m[1].split(/[\s,/]+/).filter(Boolean); return p.length > 3 ? parseFloat(p[3]) : 1; }
+      const n = c.match(/\/\s*([\d.]+)\s*\)$/);
+      return n ? parseFloat(n[1]) : 1;
+    };
+    const veiled = [...table.rows].filter((r) => [r, ...[...r.cells].slice(1)]
+      .some((e) => alpha(getComputedStyle(e).backgroundColor) > 0.99)).length;
     return {
       where: (table.rows[0] ? [...table.rows[0].cells].map((c) => c.textContent.trim()).join(" | ") : "")
         .replace(/\s+/g, " ").slice(0, 60),
-      scrolls, held,
+      scrolls, held, veiled,
       tight: w.classList.contains("kvcv-tight"),
       sticky: w.classList.contains("kvcv-sticky"),
       first_share: first ? first.getBoundingClientRect().width / w.clientWidth : 0,
@@ -590,13 +599,16 @@ def test_six_short_columns_fit_a_phone(page: Page, book_server):
 def test_wide_tables_fit_or_keep_their_names_on_a_phone(measured_pages):
     """At 390 px a table wider than the column is set closer (book/_static/kvcv.js, behaviour 6), and
     most then fit; one that still scrolls keeps its first column in view while it is scrolled, unless
-    that column is itself a wide share of the screen. No number with an exponent splits at its minus."""
+    that column is itself a wide share of the screen, and shows its scroll shadows through its rows.
+    No number with an exponent splits at its minus."""
     tables = [(doc, t) for doc in PAGES for t in measured_pages[doc]["phone_tables"]]
     loose = [f"{doc}: {t['where']}" for doc, t in tables if t["scrolls"] and not t["tight"]]
     assert not loose, f"tables that scroll on a phone without being set closer first: {loose}"
     unheld = [f"{doc}: {t['where']} (first column {t['first_share']:.0%} of the screen)" for doc, t in tables
               if t["scrolls"] and t["first_share"] <= STICKY_SHARE and not (t["sticky"] and t["held"])]
     assert not unheld, f"tables that scroll on a phone and lose their first column: {unheld}"
+    veiled = [f"{doc}: {t['where']} ({t['veiled']} rows)" for doc, t in tables if t["scrolls"] and t["veiled"]]
+    assert not veiled, f"tables that scroll on a phone with opaque rows over their scroll shadows: {veiled}"
     split = [f"{doc}: {t['split']}" for doc, t in tables if t["split"]]
     assert not split, f"numbers split across lines in a phone's table: {split}"
     # Each path was taken somewhere, so none of the checks above went untested.
@@ -815,9 +827,17 @@ def test_report_shows_the_measured_value_beside_its_bound(page: Page, book_serve
               }))])"""
     )
     tables = dict(rows)
-    # Every verdict is painted in its colour (kvcv.css), on odd rows as on even ones.
+    # Every verdict is painted in its colour (kvcv.css), on odd rows as on even ones, in the table on a
+    # desk and in the cards on a phone.
     unpainted = [(source, i) for source, shown in rows for i, row in enumerate(shown) if not row["painted"]]
     assert not unpainted, f"verdicts shown without their colour: {unpainted[:10]}"
+    page.set_viewport_size({"width": PHONE, "height": 844})
+    bare = page.evaluate(
+        """() => [...document.querySelectorAll("table.kvcv-verdicts tbody td:is(.kvcv-pass, .kvcv-fail, .kvcv-miss)")]
+              .filter(td => getComputedStyle(td).backgroundColor === "rgba(0, 0, 0, 0)").length"""
+    )
+    assert bare == 0, f"{bare} verdicts shown without their colour on a phone"
+    page.set_viewport_size({"width": DESKTOP, "height": 900})
     problems = []
     for source, doc in docs.items():
         section = re.sub(r"[^a-z0-9]+", "-", source.lower()).strip("-")
@@ -861,6 +881,14 @@ def test_report_rolls_up_by_chapter_and_filters(page: Page, book_server):
               n: parseInt(r.cells[1].innerText), page: r.cells[0].querySelector("a").getAttribute("href")}))"""
     )
     assert summary and sum(s["n"] for s in summary) == total, (summary, total)
+    # In dark mode the filter sits on the page, not on the light panel the theme gives HTML outputs.
+    page.evaluate("() => { document.documentElement.dataset.theme = 'dark'; }")
+    panel = page.evaluate(
+        """() => getComputedStyle(document.querySelector("[data-kvcv-report-filter]")
+                                  .closest(".cell_output .text_html")).backgroundColor"""
+    )
+    page.evaluate("() => { document.documentElement.dataset.theme = 'light'; }")
+    assert panel == "rgba(0, 0, 0, 0)", f"the filter sits on a panel of {panel} in dark mode"
     first = summary[0]
     number = re.search(r"\d+", first["chapter"])[0]
     page.goto(book_server + "qa/verdicts.html" + first["href"], wait_until="load")

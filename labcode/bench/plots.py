@@ -326,17 +326,21 @@ def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
     preset = preset or next(reversed(values["batch"]))
     runs = values["batch"][preset]["runs"]
     fig, ax = figure(height=4.6)
-    for i, (run, color) in enumerate(zip(runs, SERIES, strict=False)):
+    for run, color in zip(runs, SERIES, strict=False):
         ax.plot(run["predicted"]["tokens_per_s"], [t * 1e3 for t in run["predicted"]["step_s"]], "-", color=color,
                 label=f"S = {run['s_cached']}, predicted")
         ax.plot(run["tokens_per_s"], [t * 1e3 for t in run["step_s"]], "o", color=color,
                 label=f"S = {run['s_cached']}, measured")
-        offset = (-6, 6) if i == 0 else (6, -6)  # the two lengths' labels on either side of their points
-        align = {"ha": "right", "va": "bottom"} if i == 0 else {"ha": "left", "va": "top"}
+        # The longer cache's points lie up and to the left of the shorter one's (slower, fewer tokens per
+        # second): its labels go further up-left, the other's down-right, so no two labels meet.
+        longest = run["s_cached"] == max(r["s_cached"] for r in runs)
+        offset = (-6, 6) if longest else (6, -6)
+        align = {"ha": "right", "va": "bottom"} if longest else {"ha": "left", "va": "top"}
         for b, x, t in zip(run["batch"], run["tokens_per_s"], run["step_s"], strict=True):
             ax.annotate(f"{b}", (x, t * 1e3), textcoords="offset points", xytext=offset, color=color, **align)
     ax.set(xscale="log", yscale="log", xlabel="throughput: tokens per second, whole batch",
            ylabel="latency: ms per step", title=f"{preset}; numbers: batch size B")
+    ax.margins(y=0.12)  # room above the highest label, below the title
     _plain(ax, most=7)
     return _below(fig)
 
