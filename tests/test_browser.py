@@ -166,6 +166,9 @@ def solutions_hidden_until_clicked(page: Page, doc: str) -> tuple[int, list[str]
             problems.append(f"{doc}: solution {i} is open")
         if body.is_visible():
             problems.append(f"{doc}: solution {i} is visible before a click")
+        link = sol.locator(".admonition-title a").first
+        if link.count() and link.inner_text() != link.inner_text().lstrip():
+            problems.append(f"{doc}: solution {i}'s link starts with an underlined space")
         button.click()  # the chevron (test_the_solution_title_opens_the_solution clicks the title's link)
         if button.get_attribute("aria-expanded") != "true":
             problems.append(f"{doc}: solution {i} did not open on a click")
@@ -1141,6 +1144,21 @@ def _contrast(page: Page, selector: str) -> float:
         }""",
         selector,
     )
+
+
+def test_explorer_keys_hint_only_where_there_are_keys(browser, book_server):
+    """The hint listing the explorer's keys shows with a mouse and keyboard, not on a touch-only phone."""
+    shown = {}
+    for name, options in (("desk", {"viewport": {"width": 1280, "height": 900}}),
+                          ("phone", {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True})):
+        context = browser.new_context(**options)
+        try:
+            page = context.new_page()
+            explorer(page, book_server)
+            shown[name] = page.locator("[data-kv-explorer] .kvx-keys").is_visible()
+        finally:
+            context.close()
+    assert shown == {"desk": True, "phone": False}, shown
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])

@@ -353,7 +353,7 @@
     });
     root.appendChild(nav);
     root.appendChild(el("p", {
-      className: "kvx-hint",
+      className: "kvx-hint kvx-keys", // hidden on a touch screen (explorer.css)
       text: "Keys, anywhere in the explorer except inside a menu: \u2192 or n next, \u2190 or p previous, " +
         "Home prefill, End last, c cache on or off.",
     }));

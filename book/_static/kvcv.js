@@ -7,7 +7,8 @@
  *    browser, and a table's cells have no space between them. This replaces Search.htmlToText, on
  *    the search page only, with one that reads the article alone, writes maths as plain text and
  *    keeps table cells apart ("a · b").
- * 2. A solution's title opens the solution: its link to the exercise would jump away instead.
+ * 2. A solution's title opens the solution: its link to the exercise would jump away instead; the
+ *    space before the link's text stands outside it, not underlined.
  * 3. A figure opens at full size when clicked or tapped (Enter or Space from the keyboard), over
  *    the page, until clicked again or Escape.
  * 4. The verification report's filter (qa/verdicts): by chapter, verdict and words of the claim;
@@ -101,6 +102,12 @@
   function solutionTitles() {
     var links = document.querySelectorAll("div.solution.dropdown > .admonition-title a");
     for (var i = 0; i < links.length; i++) {
+      // "Solution to<a> Exercise 1.1</a>": the space goes before the link, so it is not underlined.
+      var first = links[i].firstChild;
+      if (first && first.nodeType === 3 && /^\s/.test(first.data)) {
+        first.data = first.data.replace(/^\s+/, "");
+        links[i].parentNode.insertBefore(document.createTextNode(" "), links[i]);
+      }
       links[i].addEventListener("click", function (event) {
         event.preventDefault();
         event.stopPropagation(); // the title's handler finds no button from a link: press it here
