@@ -49,6 +49,14 @@ def sig(value: float, digits: int = 3) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
+def listed(items) -> str:
+    """Items as prose lists them: 'a', 'a and b', 'a, b and c' (each written with str)."""
+    words = [str(x) for x in items]
+    if not words:
+        raise ValueError("items: expected at least one, got none")
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def num(value: float, digits: int = 3) -> str:
     """`value` to `digits` significant digits, written out with thousands separators: 1,100 and 0.5,
     never 1.1e+03 (`sig` for values below 1e-4, which need the exponent)."""

@@ -189,7 +189,6 @@ def test_solutions_are_hidden_until_clicked(measured_pages):
 # ---- everything fits: code, outputs, tables and equations; figures with alt text and captions ----
 
 DESKTOP, PHONE = 1280, 390
-STICKY_SHARE = 0.35  # the widest first column a table keeps in view as it scrolls (book/_static/kvcv.js)
 
 # One pass over a page's article (with every folded cell unfolded; a closed dropdown's content is
 # laid out at full width already): every code block, output, table and equation that is wider than
@@ -355,12 +354,7 @@ TABLES_JS = r"""
     }
     const numbers = [...w.querySelectorAll(".kvcv-nobreak")];
     // The box's scroll shadows are its background: an opaque row or cell in front of it hides them.
-    const alpha = (c) => {
-      const m = c.match(/rgba?\(([^)]+)\)/);
-      if (m) { const p = m[1].split(/[\s,/]+/).filter(Boolean); return p.length > 3 ? parseFloat(p[3]) : 1; }
-      const n = c.match(/\/\s*([\d.]+)\s*\)$/);
-      return n ? parseFloat(n[1]) : 1;
-    };
+    const alpha = (c) => { const n = c.match(/[\d.]+/g).map(Number); return n.length > 3 ? n[3] : 1; };
     const veiled = [...table.rows].filter((r) => [r, ...[...r.cells].slice(1)]
       .some((e) => alpha(getComputedStyle(e).backgroundColor) > 0.99)).length;
     return {
@@ -370,6 +364,7 @@ TABLES_JS = r"""
       tight: w.classList.contains("kvcv-tight"),
       sticky: w.classList.contains("kvcv-sticky"),
       first_share: first ? first.getBoundingClientRect().width / w.clientWidth : 0,
+      sticky_share: window.KVCVTables.stickyShare,
       numbers: numbers.length,
       split: numbers.filter((n) => n.getClientRects().length > 1).map((n) => n.textContent),
     };
@@ -608,7 +603,7 @@ def test_wide_tables_fit_or_keep_their_names_on_a_phone(measured_pages):
     loose = [f"{doc}: {t['where']}" for doc, t in tables if t["scrolls"] and not t["tight"]]
     assert not loose, f"tables that scroll on a phone without being set closer first: {loose}"
     unheld = [f"{doc}: {t['where']} (first column {t['first_share']:.0%} of the screen)" for doc, t in tables
-              if t["scrolls"] and t["first_share"] <= STICKY_SHARE and not (t["sticky"] and t["held"])]
+              if t["scrolls"] and t["first_share"] <= t["sticky_share"] and not (t["sticky"] and t["held"])]
     assert not unheld, f"tables that scroll on a phone and lose their first column: {unheld}"
     veiled = [f"{doc}: {t['where']} ({t['veiled']} rows)" for doc, t in tables if t["scrolls"] and t["veiled"]]
     assert not veiled, f"tables that scroll on a phone with opaque rows over their scroll shadows: {veiled}"

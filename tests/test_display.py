@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labcode.display import num, num_beside, sig
+from labcode.display import listed, num, num_beside, sig
 
 
 @pytest.mark.parametrize("value,digits,text", [
@@ -47,3 +47,13 @@ def test_glue_displays_what_myst_nb_s_glue_displays(monkeypatch, value, display)
     assert labcode.display.GLUE_PREFIX == myst_glue.GLUE_PREFIX
     assert len(shown) == 2 and shown[0] == shown[1]
     assert shown[0][2]["scrapbook"]["name"] == "name"
+
+
+@pytest.mark.parametrize(("items", "text"), [([3], "3"), ([3, 1], "3 and 1"), (["a", "b", "c"], "a, b and c")])
+def test_listed_lists_items_as_prose_does(items, text):
+    assert listed(items) == text
+
+
+def test_listed_refuses_an_empty_list():
+    with pytest.raises(ValueError, match="at least one"):
+        listed([])

@@ -602,15 +602,11 @@
     if (!s.cache) {
       this.formula.textContent = "No cache is kept between calls, so nothing is held; each call still " +
         "builds its keys and values temporarily.";
-    } else if (s.bytes === 1) {
-      this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 (D + 4) = 2 \u00D7 " +
+    } else if (s.bytes < 2) { // int8 or int4: codes, packed in int4, and a scale
+      var codes = s.bytes === 1 ? ["", "a one-byte code per element"] : [" / 2", "two four-bit codes to a byte"];
+      this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 (D" + codes[0] + " + 4) = 2 \u00D7 " +
         s.batch + " \u00D7 " + MODEL.nLayers + " \u00D7 " + s.kvHeads + " \u00D7 " + v.cacheTokens + " \u00D7 (" +
-        MODEL.headDim + " + 4) = " + fmtInt(bytesTotal) + " bytes: a one-byte code per element, and a " +
-        "four-byte float32 scale per position and head.";
-    } else if (s.bytes < 1) {
-      this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 (D / 2 + 4) = 2 \u00D7 " +
-        s.batch + " \u00D7 " + MODEL.nLayers + " \u00D7 " + s.kvHeads + " \u00D7 " + v.cacheTokens + " \u00D7 (" +
-        MODEL.headDim + " / 2 + 4) = " + fmtInt(bytesTotal) + " bytes: two four-bit codes to a byte, and a " +
+        MODEL.headDim + codes[0] + " + 4) = " + fmtInt(bytesTotal) + " bytes: " + codes[1] + ", and a " +
         "four-byte float32 scale per position and head.";
     } else {
       this.formula.textContent = "2 \u00D7 B \u00D7 L \u00D7 Hkv \u00D7 T \u00D7 D \u00D7 bytes = 2 \u00D7 " +

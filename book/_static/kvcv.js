@@ -241,47 +241,50 @@
     breakPoints("article.bd-article table", /(?<=[A-Za-z][\/_])(?=[A-Za-z])/);
   }
 
-  function breakPoints(selector, after) {
+  /* Each text node under `selector` that `rewrite` turns into a fragment is replaced by it. */
+  function rewriteTexts(selector, rewrite) {
     var roots = document.querySelectorAll(selector);
     for (var i = 0; i < roots.length; i++) {
       var walker = document.createTreeWalker(roots[i], NodeFilter.SHOW_TEXT);
       var texts = [];
       while (walker.nextNode()) texts.push(walker.currentNode);
       texts.forEach(function (node) {
-        var parts = node.data.split(after);
-        if (parts.length < 2) return;
-        var frag = document.createDocumentFragment();
-        parts.forEach(function (part, k) {
-          if (k) frag.appendChild(document.createElement("wbr"));
-          frag.appendChild(document.createTextNode(part));
-        });
-        node.parentNode.replaceChild(frag, node);
+        var frag = rewrite(node.data);
+        if (frag) node.parentNode.replaceChild(frag, node);
       });
     }
+  }
+
+  function breakPoints(selector, after) {
+    rewriteTexts(selector, function (data) {
+      var parts = data.split(after);
+      if (parts.length < 2) return null;
+      var frag = document.createDocumentFragment();
+      parts.forEach(function (part, k) {
+        if (k) frag.appendChild(document.createElement("wbr"));
+        frag.appendChild(document.createTextNode(part));
+      });
+      return frag;
+    });
   }
 
   var EXPONENT = /[\u2264<>\u2248~]?\d+(?:\.\d+)?e[-+\u2212]\d+/g;
 
   function wholeTableNumbers() {
-    var tables = document.querySelectorAll("article.bd-article table");
-    for (var i = 0; i < tables.length; i++) {
-      var walker = document.createTreeWalker(tables[i], NodeFilter.SHOW_TEXT);
-      var texts = [];
-      while (walker.nextNode()) if (walker.currentNode.data.search(EXPONENT) >= 0) texts.push(walker.currentNode);
-      texts.forEach(function (node) {
-        var frag = document.createDocumentFragment(), last = 0, data = node.data;
-        data.replace(EXPONENT, function (match, at) {
-          frag.appendChild(document.createTextNode(data.slice(last, at)));
-          var span = document.createElement("span");
-          span.className = "kvcv-nobreak";
-          span.textContent = match;
-          frag.appendChild(span);
-          last = at + match.length;
-        });
-        frag.appendChild(document.createTextNode(data.slice(last)));
-        node.parentNode.replaceChild(frag, node);
+    rewriteTexts("article.bd-article table", function (data) {
+      if (data.search(EXPONENT) < 0) return null;
+      var frag = document.createDocumentFragment(), last = 0;
+      data.replace(EXPONENT, function (match, at) {
+        frag.appendChild(document.createTextNode(data.slice(last, at)));
+        var span = document.createElement("span");
+        span.className = "kvcv-nobreak";
+        span.textContent = match;
+        frag.appendChild(span);
+        last = at + match.length;
       });
-    }
+      frag.appendChild(document.createTextNode(data.slice(last)));
+      return frag;
+    });
   }
 
   /* 6. Tables that do not fit the column. */
@@ -327,7 +330,7 @@
   }
 
   window.KVCVSearch = { texToText: texToText, articleText: articleText };
-  window.KVCVTables = { fit: fitTables };
+  window.KVCVTables = { fit: fitTables, stickyShare: STICKY_SHARE };
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", ready);
   else ready();
 })();

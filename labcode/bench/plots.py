@@ -181,6 +181,9 @@ def plot_concurrency(values: dict) -> Figure:
     return fig
 
 
+FLOOR_OPS_LABELS = {"model": "tensor operations only", "lean": "lean step"}  # the steps of floor_ops, as named
+
+
 def plot_floor_ops(values: dict) -> Figure:
     """Bandwidth each kind of operation of a decode step achieves, in the step reduced to the model's tensor
     operations (the record's "model") and in the lean step."""
@@ -190,7 +193,7 @@ def plot_floor_ops(values: dict) -> Figure:
     short = {"q/k/v projections": "q/k/v proj.", "output projection": "output proj."}
     fig, ax = figure(height=4.2)
     ys = range(len(names))
-    for i, (key, label) in enumerate((("model", "tensor operations only"), ("lean", "lean step"))):
+    for i, (key, label) in enumerate(FLOOR_OPS_LABELS.items()):
         ax.barh([y + 0.4 * i for y in ys], [ops[key]["operations"][k]["bytes_per_s"] / 1e9 for k in names], 0.4,
                 color=SERIES[i], label=label)
     ax.axvline(ops["bandwidth"]["wall"] / 1e9, color=INK, ls="--", label="streaming bandwidth")
@@ -326,6 +329,7 @@ def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
     preset = preset or next(reversed(values["batch"]))
     runs = values["batch"][preset]["runs"]
     fig, ax = figure(height=4.6)
+    longest_s = max(r["s_cached"] for r in runs)
     for run, color in zip(runs, SERIES, strict=False):
         ax.plot(run["predicted"]["tokens_per_s"], [t * 1e3 for t in run["predicted"]["step_s"]], "-", color=color,
                 label=f"S = {run['s_cached']}, predicted")
@@ -333,7 +337,7 @@ def plot_latency_throughput(values: dict, preset: str | None = None) -> Figure:
                 label=f"S = {run['s_cached']}, measured")
         # The longer cache's points lie up and to the left of the shorter one's (slower, fewer tokens per
         # second): its labels go further up-left, the other's down-right, so no two labels meet.
-        longest = run["s_cached"] == max(r["s_cached"] for r in runs)
+        longest = run["s_cached"] == longest_s
         offset = (-6, 6) if longest else (6, -6)
         align = {"ha": "right", "va": "bottom"} if longest else {"ha": "left", "va": "top"}
         for b, x, t in zip(run["batch"], run["tokens_per_s"], run["step_s"], strict=True):

@@ -61,21 +61,14 @@ def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int = 20,
     """
     if repeats <= 0 or warmup < 0:
         fail("repeats, warmup", "> 0 and >= 0", f"{repeats}, {warmup}")
-    if threads is not None and (type(threads) is not int or threads <= 0):
-        fail("threads", "a positive int or None", repr(threads))
     times: dict[str, list[float]] = {name: [] for name in fns}
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for rep in range(warmup + repeats):
             for name, fn in fns.items():
                 start = clock()
                 fn()
                 if rep >= warmup:
                     times[name].append(clock() - start)
-    finally:
-        torch.set_num_threads(before)
     return times
 
 
