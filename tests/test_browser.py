@@ -371,6 +371,23 @@ TABLES_JS = r"""
   })
 """
 
+# Printed outputs on a phone: each one's lines as printed against the rows it takes on the page, and
+# whether its cell carries the output-columns tag (book/_static/kvcv.css, tests/test_notebook_style.py).
+OUTPUTS_JS = r"""
+() => [...document.querySelectorAll("article.bd-article div.cell_output pre")].map((pre) => {
+  const cs = getComputedStyle(pre);
+  const lineHeight = parseFloat(cs.lineHeight);
+  const height = pre.clientHeight - parseFloat(cs.paddingTop) - parseFloat(cs.paddingBottom);
+  return {
+    columns: !!pre.closest("div.cell.tag_output-columns"),
+    lines: pre.textContent.replace(/\n$/, "").split("\n").length,
+    rows: Math.round(height / lineHeight),
+    scrolls: pre.scrollWidth > pre.clientWidth + 1,
+    first: pre.textContent.trim().slice(0, 50),
+  };
+})
+"""
+
 PAGE_WIDTH_JS = r"""
 () => {
   const width = window.innerWidth;
@@ -420,6 +437,7 @@ def measure(page: Page, doc: str) -> None:
     found["phone_tables"] = page.evaluate(TABLES_JS)
     found[PHONE] = page.evaluate(OVERFLOW_JS, False)
     found["phone_diagrams"] = page.evaluate(DIAGRAMS_JS)
+    found["phone_outputs"] = page.evaluate(OUTPUTS_JS)
     found["figures", PHONE] = page.evaluate(FIGURES_JS)
     found["page_width"] = page.evaluate(PAGE_WIDTH_JS)
     page.set_viewport_size({"width": DESKTOP, "height": 900})
@@ -531,6 +549,21 @@ def test_diagrams_keep_their_size_on_a_phone_and_scroll_visibly(measured_pages, 
     assert not shrunk, f"diagrams shrunk on a phone: {shrunk}"
     assert not unmarked, f"diagrams that scroll on a phone with nothing to show that they do: {unmarked}"
     assert any(d["scrolls"] for _, d in diagrams), "no diagram is wider than a phone: the scrolling above went untested"
+
+
+def test_output_in_columns_keeps_its_lines_on_a_phone(measured_pages):
+    """At 390 px printed output wraps at the column, except output set in columns (its cell tagged
+    output-columns): each of its lines stays one row, and the box scrolls sideways instead (its
+    scroll shadows are checked with everything else that scrolls)."""
+    outputs = [(doc, o) for doc in CHAPTERS for o in measured_pages[doc]["phone_outputs"]]
+    columns = [(doc, o) for doc, o in outputs if o["columns"]]
+    broken = [f"{doc}: {o['first']!r}: {o['lines']} lines on {o['rows']} rows" for doc, o in columns
+              if o["rows"] != o["lines"]]
+    assert not broken, f"output in columns wrapped on a phone: {broken}"
+    if CHAPTERS:
+        assert columns, "no chapter prints output in columns (a cell tagged output-columns)"
+        assert any(o["scrolls"] for _, o in columns), "no output in columns is wider than a phone: untested"
+        assert any(o["rows"] > o["lines"] for _, o in outputs if not o["columns"]), "no other output wraps"
 
 
 def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):

@@ -70,3 +70,48 @@ def test_notebook_code_passes_the_projects_lint():
     out = _ruff("check", "--output-format", "concise", "--no-cache", *NOTEBOOKS)
     findings = [line for line in out.stdout.splitlines() if ".ipynb:" in line]
     assert out.returncode == 0 and not findings, f"{len(findings)} lint findings:\n" + "\n".join(findings)
+
+
+# Printed output wraps at the column on a phone (book/_static/kvcv.css), which would break the
+# columns of a table printed with padding; a cell whose output is set in columns carries this tag,
+# and its output keeps its lines whole and scrolls sideways instead.
+COLUMNS_TAG = "output-columns"
+WIDEST_COLUMNS_LINE = 100  # a tagged output scrolls at most about twice a phone's width
+
+
+def _printed(cell: dict) -> list[list[str]]:
+    """The lines of each text a code cell printed (stdout, stderr)."""
+    return [
+        "".join(o.get("text", "")).rstrip("\n").split("\n")
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "stream"
+    ]
+
+
+def _padded_lines(lines: list[str]) -> int:
+    """Lines that hold a run of two or more spaces between two words: padding that sets columns."""
+    import re
+
+    return sum(1 for line in lines if re.search(r"\S {2,}\S", line))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_output_set_in_columns_keeps_its_lines(path):
+    """An output with two or more padded lines, none longer than WIDEST_COLUMNS_LINE, is a table:
+    its cell carries the output-columns tag. A tagged cell prints two or more lines, none longer
+    than that (a long line, such as an error message, reads better wrapped)."""
+    import json
+
+    untagged, misused = [], []
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        tagged = COLUMNS_TAG in cell.get("metadata", {}).get("tags", [])
+        for lines in _printed(cell):
+            widest = max(len(line) for line in lines)
+            if not tagged and _padded_lines(lines) >= 2 and widest <= WIDEST_COLUMNS_LINE:
+                untagged.append(f"cell {i}: {lines[0][:60]!r}")
+            if tagged and (len(lines) < 2 or widest > WIDEST_COLUMNS_LINE):
+                misused.append(f"cell {i}: {len(lines)} lines, the widest {widest} characters")
+    assert not untagged, f"{path.name}: outputs in columns without the {COLUMNS_TAG} tag: {untagged}"
+    assert not misused, f"{path.name}: the {COLUMNS_TAG} tag on output that should wrap: {misused}"
