@@ -388,6 +388,16 @@ OUTPUTS_JS = r"""
 })
 """
 
+# Display equations on a phone: how wide the typeset maths is against its box.
+EQUATIONS_JS = r"""
+() => [...document.querySelectorAll("article.bd-article div.math mjx-container")].map((e) => {
+  let tex = e.textContent;
+  try { tex = window.MathJax.startup.document.getMathItemsWithin(e)[0].math; } catch (err) { /* as shown */ }
+  return { width: e.querySelector("mjx-math").getBoundingClientRect().width, box: e.clientWidth,
+           tex: tex.replace(/\s+/g, " ").trim().slice(0, 60) };
+})
+"""
+
 PAGE_WIDTH_JS = r"""
 () => {
   const width = window.innerWidth;
@@ -438,6 +448,7 @@ def measure(page: Page, doc: str) -> None:
     found[PHONE] = page.evaluate(OVERFLOW_JS, False)
     found["phone_diagrams"] = page.evaluate(DIAGRAMS_JS)
     found["phone_outputs"] = page.evaluate(OUTPUTS_JS)
+    found["phone_equations"] = page.evaluate(EQUATIONS_JS)
     found["figures", PHONE] = page.evaluate(FIGURES_JS)
     found["page_width"] = page.evaluate(PAGE_WIDTH_JS)
     page.set_viewport_size({"width": DESKTOP, "height": 900})
@@ -564,6 +575,17 @@ def test_output_in_columns_keeps_its_lines_on_a_phone(measured_pages):
         assert columns, "no chapter prints output in columns (a cell tagged output-columns)"
         assert any(o["scrolls"] for _, o in columns), "no output in columns is wider than a phone: untested"
         assert any(o["rows"] > o["lines"] for _, o in outputs if not o["columns"]), "no other output wraps"
+
+
+def test_display_equations_fit_a_phone(measured_pages):
+    """At 390 px every display equation fits its column: a long one is set on several lines
+    (aligned), so a reader never scrolls sideways through maths."""
+    equations = [(doc, e) for doc in PAGES for e in measured_pages[doc]["phone_equations"]]
+    wide = [f"{doc}: {e['width']:.0f} px in {e['box']} px: {e['tex']}" for doc, e in equations
+            if e["width"] > e["box"] + 1]
+    assert not wide, "display equations wider than a phone's column:\n" + "\n".join(wide)
+    if CHAPTERS:
+        assert equations, "no page shows a display equation"
 
 
 def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):
