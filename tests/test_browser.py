@@ -588,6 +588,27 @@ def test_display_equations_fit_a_phone(measured_pages):
         assert equations, "no page shows a display equation"
 
 
+def test_back_to_top_stays_in_the_corner_on_a_phone(browser, book_server):
+    """Scrolling up on a phone shows the theme's "Back to top" button: a round arrow in the bottom
+    right corner (book/_static/kvcv.css), not a pill across the middle of the text; its words
+    remain its accessible name."""
+    context = browser.new_context(viewport={"width": PHONE, "height": 844})
+    try:
+        page = context.new_page()
+        open_page(page, book_server, CHAPTERS[0] if CHAPTERS else PAGES[0])
+        page.mouse.wheel(0, 3000)
+        page.wait_for_timeout(300)
+        page.mouse.wheel(0, -300)
+        page.wait_for_function("() => getComputedStyle(document.querySelector('#pst-back-to-top')).display !== 'none'")
+        box = page.locator("#pst-back-to-top").bounding_box()
+        name = page.locator("#pst-back-to-top").text_content().strip()
+    finally:
+        context.close()
+    assert box["width"] <= 48 and box["height"] <= 48, f"the button is {box['width']:.0f} x {box['height']:.0f} px"
+    assert box["x"] >= 0.8 * PHONE and box["y"] >= 0.8 * 844, f"the button is not in the bottom right corner: {box}"
+    assert name == "Back to top", name
+
+
 def test_88_columns_of_code_fit_at_1280px(page: Page, book_server):
     """The layout gives notebook code 88 columns at 1280 px (whatever today's notebooks hold), and a
     wide table scrolls inside its wrapper, with its scroll shadows, on a phone."""
