@@ -34,8 +34,8 @@ class Beams:
 
 def beam_step(logits: torch.Tensor, scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
-    """The W best continuations of beams with `scores` [N] and next-token logits [N, V]: (parents [W], tokens [W],
-    new scores [W]), best first; scores add float64 log-probabilities."""
+    """The `width` best continuations of beams with `scores` [N] and next-token logits [N, V]: (parents [width],
+    tokens [width], new scores [width]), best first; scores add float64 log-probabilities."""
     total = scores.view(-1, 1) + logits.double().log_softmax(dim=-1)  # (N, V)
     best = total.flatten().topk(width)  # sorted, best first
     v = logits.shape[-1]

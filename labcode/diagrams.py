@@ -925,7 +925,8 @@ def pool_figure(views: Sequence[PoolStep], per_row: int = 5, width: float = PICT
             label = names or ("cached" if cached else "free")
             _text(ax, bx + bs / 2, by - 0.4, f"#{b} {label}", color=INK if who else FREE)
     unused = any(sum(n for _, n, _ in v.batch) < v.budget for v in views)
-    _legend(ax, [("decode", COLOURS[0], 0.55, None), ("prompt chunk", COLOURS[0], 0.3, "//")]
+    # the kinds of box, in grey: each box takes its request's colour
+    _legend(ax, [("decode", FREE, 0.55, None), ("prompt chunk", FREE, 0.3, "//")]
             + ([("unused", None, 0, None)] if unused else []))
     return fig
 
