@@ -178,6 +178,30 @@ def test_bibliography_lists_every_reference(book_html):
     assert not missing, f"references missing from the bibliography page: {missing}"
 
 
+def test_citations_read_as_their_bibliography_labels(book_html):
+    """Every citation in the text names its entry as the bibliography labels it, the author-year label's
+    letter included where two entries share a name and a year ("Hugging Face, 2026a" for the entry
+    labelled "Hugging Face 2026a"; book/_ext/kvcv_bibstyle.py)."""
+    references = book_html / "book" / "references.html"
+    labels = {
+        entry["id"]: entry.find(class_="label").get_text(strip=True).strip("[]")
+        for entry in _article(references).find_all(attrs={"role": "doc-biblioentry"})
+    }
+    cited, wrong = 0, []
+    for page in _pages(book_html):
+        for link in _article(page).find_all("a", href=re.compile(r"references\.html#")) if _article(page) else []:
+            target = link["href"].split("#", 1)[1]
+            if target not in labels:
+                continue
+            cited += 1
+            text = re.sub(r",\s*(?=\d{4}[a-z]?$)", " ", " ".join(link.get_text().split()))
+            if text != labels[target]:
+                wrong.append(f"{page.relative_to(book_html)}: {link.get_text(strip=True)!r} for {labels[target]!r}")
+    assert cited, "no citation links to the bibliography"
+    assert any(label[-1].isalpha() for label in labels.values()), "no label has a letter: the letters go untested"
+    assert not wrong, "citations that do not read as their labels:\n" + "\n".join(sorted(set(wrong))[:10])
+
+
 @pytest.mark.parametrize(
     "term",
     [
