@@ -286,13 +286,14 @@ def draw_buffers(ax, rows: Sequence[BufferRow], title: str = "", width: int | No
 
 
 def buffers_legend(ax) -> None:
-    """The legend of `draw_buffers`: new rows, copied or moved rows, free slots."""
+    """The legend of `draw_buffers`: new rows, copied or moved rows, old rows left in place, free slots."""
     from matplotlib.patches import Patch
 
     handles = [Patch(facecolor=NEW, alpha=0.35, edgecolor=INK, linewidth=0.6, label="written by the pass"),
                Patch(facecolor=COPIED, alpha=0.35, edgecolor=INK, linewidth=0.6, label="old, copied or moved"),
+               Patch(facecolor="none", edgecolor=INK, linewidth=0.6, label="old, left in place"),
                Patch(facecolor="none", edgecolor=FREE, linewidth=0.6, label="free slot")]
-    ax.legend(handles=handles, loc="lower center", ncol=3, fontsize=LABEL_FONT, handlelength=1.2,
+    ax.legend(handles=handles, loc="lower center", ncol=2, fontsize=LABEL_FONT, handlelength=1.2,
               bbox_to_anchor=(0.5, 1.0), borderaxespad=0.2)
 
 

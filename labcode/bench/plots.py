@@ -147,6 +147,7 @@ def plot_critical_batch(values: dict, preset: str | None = None) -> Figure:
     curve = values["batch"][preset]["curve"]
     fig, ax = figure(height=3.8)
     h = values["batch"][preset]["preset_config"]["n_heads"]
+    dotted = False  # a limit within the plotted lengths, drawn as a dotted line
     for (hkv, c), color in zip(curve["n_kv_heads"].items(), SERIES, strict=False):
         name = "MHA" if int(hkv) == h else ("MQA" if int(hkv) == 1 else "GQA")
         ys = [float(v) if float(v) != math.inf else math.nan for v in c["critical_batch"]]  # inf: not drawn
@@ -154,9 +155,10 @@ def plot_critical_batch(values: dict, preset: str | None = None) -> Figure:
         limit = float(c["context_limit"])
         if limit < curve["contexts"][-1]:
             ax.axvline(limit, color=color, ls=":", lw=1.2)
+            dotted = True
     ax.axhline(float(curve["weights_critical_batch"]), color=INK, ls="--", lw=1, label="weights alone")
     ax.set(yscale="log", xlabel="cached length S", ylabel="compute-bound from B",
-           title=f"{preset}; dotted: no batch is compute-bound beyond")
+           title=f"{preset}; dotted: no batch is compute-bound beyond" if dotted else preset)
     _plain(ax, "y")
     ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.legend(loc="upper left")
