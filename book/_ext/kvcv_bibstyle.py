@@ -1,6 +1,6 @@
 """The bibliography's labels in the form its citations take: "Vaswani et al. 2017", not "[1]".
 
-The chapters cite author-year (`bibtex_reference_style: author_year` in _config.yml), so the
+The chapters cite author-year (`bibtex_reference_style` in _config.yml), so the
 references page labels each entry the same way, and keeps pybtex's plain style for the entries
 themselves, sorted by the label's names, year and title. Two entries with the same label get a, b, ... after
 the year. Registered as the pybtex style `kvcv_author_year` (`bibtex_default_style`).
