@@ -37,7 +37,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ ! -e "$stamp" ]; then
   echo "setup: installing the locked requirements into $venv (about a minute and a half the first time)"
-  # pip installs torch (it finds the CPU build where the machine provides one) and the installer uv;
+  # pip installs torch (the CPU build where PIP_EXTRA_INDEX_URL points at PyTorch's CPU index, as CI
+  # sets it on Linux x86-64, or where the machine's index provides it) and the installer uv;
   # uv installs the rest of the lock in parallel, finds torch already satisfied, and compiles what it
   # installs to bytecode. torch and its dependencies are compiled meanwhile, on every core: where
   # PYTHONDONTWRITEBYTECODE is set, nothing compiled later is kept, and each process would compile
@@ -61,7 +62,12 @@ if [ ! -e "$stamp" ]; then
   touch "$stamp"
 fi
 
-if [ -n "$chromium_job" ]; then
-  wait "$chromium_job" || { echo "setup: installing chromium failed" >&2; exit 1; }
+if [ -n "$chromium_job" ] && ! wait "$chromium_job"; then
+  # The book needs no browser: only the browser tests do, and they are required under CI alone.
+  if [ -n "${CI:-}" ]; then
+    echo "setup: installing chromium failed, and the browser tests are required in CI" >&2
+    exit 1
+  fi
+  echo "setup: installing chromium failed; the browser tests will be skipped (set KVCV_CHROMIUM to a Chromium-based browser to run them)" >&2
 fi
 echo "setup: environment ready in $venv"
