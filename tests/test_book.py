@@ -311,3 +311,29 @@ def test_every_chapter_says_how_long_it_takes_to_read(book_html):
         assert minutes >= 1
     for f in [f for f in toc_files() if not f.startswith("notebooks/")]:
         assert not _article(book_html / f"{f}.html").select("p.kvcv-reading-time"), f"{f} is not a chapter"
+
+
+def test_verification_report_tells_its_rows_apart(book_html):
+    """The report's rows, as a reader reads them: a value that misses its bound never reads as the
+    bound itself (1.302 against 1.3, not 1.3), and two checks of one file that make the same claim
+    show their names."""
+    if "qa/verdicts" not in toc_files():
+        pytest.skip("the verification report is not in _toc.yml yet")
+    article = _article(book_html / "qa" / "verdicts.html")
+    tables = article.select("table.kvcv-checks, table.kvcv-targets")
+    assert len(tables) > 10, "the report shows a table per result file and one of targets"
+    for table in tables:
+        claims = []
+        for row in table.select("tbody tr"):
+            cells = row.find_all("td", recursive=False)
+            claim = cells[0].find(string=True, recursive=False) or ""
+            shown = cells[1].get_text().strip()
+            held = cells[2].get_text().replace("\u00a0", " ").split(" ", 1)[1].strip()
+            verdict = cells[3].get_text().strip()
+            if verdict in ("fail", "not met"):
+                assert shown != held, f"{claim!r}: measured {shown} reads as its bound {held}, yet {verdict}"
+            claims.append((claim.strip(), cells[0].select_one(".kvcv-reason code")))
+        texts = [c for c, _ in claims]
+        for claim, name in claims:
+            if texts.count(claim) > 1:
+                assert name is not None, f"two checks claim {claim!r} and the report cannot tell them apart"
