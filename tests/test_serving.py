@@ -110,6 +110,26 @@ def test_decodes_and_prefill_chunks_share_a_step_under_the_budget():
     assert_each_alone(MODEL, sched)
 
 
+def test_after_step_sees_every_step_and_a_broken_pool():
+    """serve calls after_step once per step with the scheduler, so a QA notebook can count the steps whose
+    invariants fail instead of stopping at the first; a reference count broken in a step is seen there."""
+    trace = [Request("a", 0, (1, 2, 3), 4), Request("b", 1, (4, 5), 3)]
+    seen, broken = [], []
+
+    def audit(sched):
+        seen.append(sched.step_no)
+        if sched.step_no == 2 and sched.running:  # plant: one extra reference on a held block
+            sched.pool.refcount[sched.running[0].blocks[0]] += 1
+        try:
+            check_invariants(sched)
+        except AssertionError:
+            broken.append(sched.step_no)
+
+    sched = serve(MODEL, trace, 16, 2, 4, after_step=audit)
+    assert seen == list(range(1, sched.step_no + 1))
+    assert broken and broken[0] == 2
+
+
 @pytest.mark.parametrize("prefix", ["hash", "radix"])
 def test_prefix_hits_do_not_change_a_request(prefix):
     trace = system_prompt_trace(3, 5, V, system_len=10, every=3) + few_shot_trace(4, 4, V, every=3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -266,9 +267,11 @@ def check_invariants(sched: Scheduler) -> None:
 
 
 def serve(model: GPT, trace: list[Request], n_blocks: int, block_size: int, budget: int, prefix: str | None = None,
-          check: bool = False, max_steps: int = 10_000) -> Scheduler:
+          check: bool = False, max_steps: int = 10_000,
+          after_step: Callable[[Scheduler], None] | None = None) -> Scheduler:
     """Submit the whole trace, then step until every accepted request is done (checking invariants after each
-    step if `check`); returns the scheduler, whose `done`, `refused`, `log` and counters say what happened."""
+    step if `check`, and calling `after_step` with the scheduler after each step if given); returns the
+    scheduler, whose `done`, `refused`, `log` and counters say what happened."""
     sched = Scheduler(model, n_blocks, block_size, budget, prefix)
     for req in trace:
         sched.submit(req)
@@ -278,4 +281,6 @@ def serve(model: GPT, trace: list[Request], n_blocks: int, block_size: int, budg
         sched.step()
         if check:
             check_invariants(sched)
+        if after_step is not None:
+            after_step(sched)
     return sched
