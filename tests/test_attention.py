@@ -29,7 +29,7 @@ def qkv(b=1, h=4, hkv=2, t=1, s=64, d=8, dtype=torch.float64, seed=0):
     return q, k, v
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(b=st.integers(1, 2), hkv=st.integers(1, 3), groups=st.integers(1, 3), t=st.integers(1, 6),
        cached=st.integers(0, 40), d=st.sampled_from([4, 8]), block=st.integers(1, 50),
        mask_kind=st.sampled_from(["none", "causal", "random"]), seed=st.integers(0, 10_000))

@@ -99,7 +99,7 @@ def test_block_slots_follow_the_table():
     assert blocks.tolist() == [2, 2, 2, 5] and offsets.tolist() == [0, 1, 2, 0]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(prompt=st.integers(1, 20), block=st.integers(1, 6), cuts=st.lists(st.integers(1, 19), max_size=4),
        more_a=st.integers(1, 10), more_b=st.integers(1, 10), seed=st.integers(0, 1000))
 def test_paged_equals_full_forward_and_forks_share_then_copy(prompt, block, cuts, more_a, more_b, seed):
@@ -125,7 +125,7 @@ def test_paged_equals_full_forward_and_forks_share_then_copy(prompt, block, cuts
     assert pool.n_free == 40 and all(r == 0 for r in pool.refcount)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(n=st.integers(2, 25), drop=st.integers(1, 10), block=st.integers(1, 5), more=st.integers(1, 8),
        seed=st.integers(0, 1000))
 def test_paged_crop_equals_never_having_generated(n, drop, block, more, seed):
@@ -255,7 +255,7 @@ def test_cells_mask_reads_only_metadata():
     assert mask.tolist() == [[True, True, False, False, False], [False, False, True, True, False]]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(lengths=st.lists(st.integers(1, 14), min_size=1, max_size=3), n_cells=st.integers(42, 48),
        steps=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=30),
        seed=st.integers(0, 1000))
@@ -382,7 +382,7 @@ def test_scattered_mask_hides_other_rows_padding():
                              [[True, False, False, False], [True, True, False, False]]]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(rotary=st.booleans(), rows=st.integers(1, 3), seed=st.integers(0, 1000),
        schedule=st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=3), min_size=1, max_size=8),
        crops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3)), max_size=3))
@@ -456,7 +456,7 @@ def test_hadamard_is_orthonormal_and_symmetric():
         hadamard(12)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(bits=st.integers(2, 8), group=st.sampled_from([None, 2, 4, 8]), seed=st.integers(0, 1000),
        scale=st.floats(1e-3, 1e3))
 def test_quantize_rounds_to_within_half_a_step(bits, group, seed, scale):
@@ -467,6 +467,12 @@ def test_quantize_rounds_to_within_half_a_step(bits, group, seed, scale):
     err = (dequantize(codes, scales, torch.float64) - x).abs()
     step = scales.repeat_interleave(group or 8, dim=-1).double()
     assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all()
+    # ... and the step is the finest one that fits: each group's largest |x| is the top code 2^(bits-1) - 1
+    g, qmax = group or 8, 2 ** (bits - 1) - 1
+    xg, cg = x.reshape(3, 5, 8 // g, g), codes.reshape(3, 5, 8 // g, g)
+    assert scales.dtype == torch.float32 and torch.equal(scales, xg.abs().amax(-1).float() / qmax)
+    top = xg.abs().argmax(-1, keepdim=True)  # where each group's largest magnitude sits
+    assert torch.equal(cg.gather(-1, top), (xg.gather(-1, top).sign() * qmax).to(torch.int8))
 
 
 def test_rotation_shrinks_the_error_of_an_outlier_channel():
@@ -490,6 +496,28 @@ def test_quantized_cache_keeps_logits_close_and_stores_fewer_bytes():
     d = CFG.head_dim  # per token and head: D one-byte codes and one 4-byte scale, for K and V
     assert plain.nbytes == CFG.n_layers * 2 * CFG.n_kv_heads * 30 * (d + 4)
     assert plain.nbytes < concat.nbytes / 4
+
+
+class FakeQuantizedCache(ConcatCache):
+    """The reference for the quantised cache: a concatenating cache that stores fake-quantised K and V."""
+
+    def __init__(self, n_layers: int, bits: int, group: int | None, rotate: bool) -> None:
+        super().__init__(n_layers)
+        self.bits, self.group, self.rotate = bits, group, rotate
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super()._append(layer, *(fake_quantize(x, self.bits, self.group, self.rotate) for x in (k, v)))
+
+
+@pytest.mark.parametrize(("bits", "group", "rotate"), [(8, None, False), (4, 4, False), (3, None, True)])
+def test_quantized_cache_gives_the_logits_of_a_cache_of_fake_quantized_values(bits, group, rotate):
+    """Each token is quantised alone, so the cache's logits are those of the full-precision K and V replaced by
+    what quantising and dequantising them gives (the bound above is loose: a cache of 3 bits meets it too)."""
+    model, seq, sizes = MODELS[True], tokens(30, 5), [10] + [1] * 20
+    got = run_chunks(model, QuantizedCache(CFG.n_layers, bits=bits, group_size=group, rotate=rotate), seq, sizes)
+    ref = run_chunks(model, FakeQuantizedCache(CFG.n_layers, bits, group, rotate), seq, sizes)
+    assert (got - ref).abs().max().item() <= TOL
+    assert (got - full_logits(model, seq)).abs().max().item() > 0  # the reference is not the plain forward
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

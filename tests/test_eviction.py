@@ -17,6 +17,7 @@ from labcode.caches import H2OCache, SinkCache, SnapKVCache, StreamingCache
 from labcode.caches.scored import attention_weights, heavy_hitters, pool_votes, snap_select
 from labcode.masks import causal_mask
 from labcode.model import attend
+from labcode.rope import rotate
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_grad")  # both defined in conftest.py
 CFG = GPTConfig(vocab_size=13, context_length=48, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, rotary=True)
@@ -67,6 +68,26 @@ def test_h2o_under_uniform_attention_keeps_the_oldest_keys_with_the_sums_it_obse
     assert cache.last_dropped == 1 and cache.total_dropped == 2
 
 
+@pytest.mark.parametrize("sizes", [[3, 1, 1, 1], [6]], ids=str)
+def test_h2o_sums_the_attention_of_every_query_of_a_longer_pass(sizes):
+    """Uniform attention again, with a first pass of several queries: query i of it sees keys 0..i, giving
+    each 1/(i + 1), so key j collects G * sum over the queries i >= j of the pass of 1/(i + 1), a sum over
+    the queries, not their mean; the later one-token passes see 4, 5 and 5 keys, as above."""
+    cache = H2OCache(1, budget=4, recent=1)
+    k = torch.randn(1, 1, 6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    start = 0
+    for t in sizes:
+        _pass(cache, k[:, :, start : start + t], torch.zeros(1, 2, t, 2, dtype=torch.float64))
+        start += t
+    assert cache.kept[0].tolist() == [[[0, 1, 2, 5]]] and cache.total_dropped == 2
+    if sizes == [6]:  # one pass of 6 queries, then the budget: the oldest three and the latest stay
+        want = [2 * sum(1 / (i + 1) for i in range(j, 6)) for j in (0, 1, 2, 5)]
+    else:  # keys 0..2 from the first pass (queries 0..2), then 1/4 + 1/5 + 1/5; key 5 from its own step
+        want = [2 * sum(1 / (i + 1) for i in range(j, 3)) + 2 * (1 / 4 + 1 / 5 + 1 / 5) for j in range(3)]
+        want.append(2 / 5)
+    assert cache.scores[0][0, 0].tolist() == pytest.approx(want, abs=1e-12)
+
+
 def test_h2o_keeps_a_key_that_every_query_looks_at():
     k = torch.zeros(1, 1, 8, 2, dtype=torch.float64)
     k[0, 0, 3] = torch.tensor([4.0, 0.0])  # the one key the queries align with
@@ -88,6 +109,56 @@ def test_snapkv_keeps_what_the_window_looks_at_and_the_window():
     assert cache.kept[0].tolist() == [[[4, 5, 6, 10, 11]]] and cache.last_dropped == t - 5
     _pass(cache, k[:, :, :1], q[:, :, :1])  # decoding appends as usual: nothing more is dropped
     assert cache.kept[0].tolist() == [[[4, 5, 6, 10, 11, 12]]] and cache.last_dropped == 0
+
+
+def _window_votes(q: torch.Tensor, k: torch.Tensor, w: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """By hand: softmax weights of the last w queries q [B, H, T, D] over keys k [B, Hkv, T, D] (under mask
+    [T, T], or none), summed over those queries and over the query heads of each K/V head -> [B, Hkv, T]."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    votes = torch.zeros(b, hkv, t, dtype=q.dtype)
+    for head in range(h):
+        scores = q[:, head] @ k[:, head // (h // hkv)].transpose(-1, -2) / d**0.5  # (B, T, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        votes[:, head // (h // hkv)] += scores.softmax(dim=-1)[:, t - w :].sum(dim=1)
+    return votes
+
+
+def _snap_choice(votes: torch.Tensor, keep: int, kernel: int, pool: str) -> tuple[torch.Tensor, float]:
+    """By hand: votes [B, Hkv, S'] pooled over the keys within kernel // 2 of each (those that exist), the
+    `keep` best in position order, and the smallest gap between the last kept and the first dropped."""
+    r, n = kernel // 2, votes.shape[-1]
+    near = [votes[..., max(0, j - r) : j + r + 1] for j in range(n)]
+    pooled = torch.stack([x.amax(dim=-1) if pool == "max" else x.mean(dim=-1) for x in near], dim=-1)
+    best = pooled.sort(dim=-1, descending=True)
+    gap = (best.values[..., keep - 1] - best.values[..., keep]).min().item()
+    return best.indices[..., :keep].sort(dim=-1).values, gap
+
+
+@pytest.mark.parametrize("pool, kernel", [("avg", 3), ("avg", 5), ("max", 1)])
+def test_snapkv_votes_are_the_window_queries_causal_attention(pool, kernel):
+    """On a model's prompt, each layer keeps the keys that the last `window` queries attend to under the
+    causal mask: those queries do not see the keys after them. The votes are computed here from the
+    model's weights and a plain softmax, layer by layer."""
+    t, budget, w = 20, 12, 6
+    ids, pos = IDS[:, :t], torch.arange(t)
+    cache = SnapKVCache(2, budget=budget, window=w, kernel=kernel, pool=pool)
+    MODEL(ids, cache)
+    x = MODEL.tok_emb(ids)
+    hd, hkv = CFG.head_dim, CFG.n_kv_heads
+    for layer, block in enumerate(MODEL.blocks):
+        y = block.ln_1(x)
+        q = rotate(block.attn.q_proj(y).view(2, t, -1, hd).transpose(1, 2), pos, CFG.rope_base)
+        k = rotate(block.attn.kv_proj(y).view(2, t, 2, hkv, hd)[:, :, 0].transpose(1, 2), pos, CFG.rope_base)
+        masked, gap = _snap_choice(_window_votes(q, k, w, causal_mask(t))[..., : t - w], budget - w, kernel, pool)
+        unmasked, _ = _snap_choice(_window_votes(q, k, w, None)[..., : t - w], budget - w, kernel, pool)
+        assert gap > 1e-6  # no tie at the cut: the choice is the same whatever the tie-breaking
+        assert not torch.equal(masked, unmasked)  # the mask changes the choice: this case can tell them apart
+        want = torch.cat((masked, torch.arange(t - w, t).expand(2, hkv, w)), dim=-1)
+        assert torch.equal(cache.kept[layer], want), layer
+        x = block(x, layer, pos)  # the full forward's next layer input
+    assert cache.last_dropped == t - budget
 
 
 # -- the hook: the weights the cache computes are the model's -----------------------------------------

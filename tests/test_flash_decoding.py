@@ -30,7 +30,7 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(b=st.integers(1, 2), hkv=st.integers(1, 3), groups=st.integers(1, 4), t=st.integers(1, 4),
        cached=st.integers(0, 70), d=st.sampled_from([4, 8, 16]), split=st.integers(1, 80),
        mask_kind=st.sampled_from(["none", "causal", "random"]), seed=st.integers(0, 10_000))

@@ -7,6 +7,8 @@ what they say (rank r, one head); the bytes are the formulas the course uses els
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import TOL64, build, max_diff
@@ -45,6 +47,27 @@ def test_compare_logits_of_equal_logits_is_zero_and_of_different_ones_is_not():
     assert moved["mean_kl"] > 0 and moved["max_logit_diff"] > 0 and moved["top1_agreement"] < 1
     with pytest.raises(ValueError, match=r"out, ref, targets: expected logits \[1, N, V\]"):
         compare_logits(ref[:, :3], ref, IDS)
+
+
+def test_compare_logits_gives_the_hand_computed_kl_agreement_and_losses():
+    """Two tokens, four positions, each logit row [log a, log b] so that its softmax is (a, b) / (a + b):
+    KL(ref || out) = sum p log(p / q), the losses are -log of the chosen token's probability."""
+    ln = math.log
+    p = [(3 / 4, 1 / 4), (1 / 4, 3 / 4), (4 / 5, 1 / 5), (1 / 3, 2 / 3)]  # ref's distributions
+    q = [(2 / 3, 1 / 3), (1 / 3, 2 / 3), (1 / 5, 4 / 5), (1 / 100, 99 / 100)]  # out's: the third disagrees on top
+    ref = torch.tensor([[[ln(3), 0.0], [0.0, ln(3)], [ln(4), 0.0], [0.0, ln(2)]]], dtype=torch.float64)
+    out = torch.tensor([[[ln(2), 0.0], [0.0, ln(2)], [0.0, ln(4)], [0.0, ln(99)]]], dtype=torch.float64)
+    targets = torch.tensor([[0, 1, 0, 1]])
+    got = compare_logits(out, ref, targets)
+    kl = sum(pi * ln(pi / qi) for pn, qn in zip(p, q, strict=True) for pi, qi in zip(pn, qn, strict=True)) / 4
+    assert got["mean_kl"] == pytest.approx(kl, rel=1e-12, abs=0)
+    reverse = sum(qi * ln(qi / pi) for pn, qn in zip(p, q, strict=True) for pi, qi in zip(pn, qn, strict=True)) / 4
+    assert abs(kl - reverse) > 0.1  # the direction matters on these numbers
+    assert got["top1_agreement"] == 0.75  # three of four positions agree
+    assert got["max_logit_diff"] == pytest.approx(ln(99 / 2), rel=1e-12, abs=0)  # last row, second logit
+    chosen = [0, 1, 0, 1]
+    assert got["loss"] == pytest.approx(-sum(ln(qn[t]) for qn, t in zip(q, chosen, strict=True)) / 4, rel=1e-12)
+    assert got["loss_full"] == pytest.approx(-sum(ln(pn[t]) for pn, t in zip(p, chosen, strict=True)) / 4, rel=1e-12)
 
 
 def test_the_mha_model_of_a_gqa_model_is_the_same_function_with_three_times_the_cache():

@@ -198,14 +198,17 @@ def test_bad_requests_are_refused_before_anything_runs():
 # -- sampling: the target's distribution, whatever the draft ------------------------------------------
 
 
-def rule_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, seed: int, rule=accept_draft) -> torch.Tensor:
-    """Counts [V] of the first token the acceptance rule emits, each draft token drawn from q (or fixed)."""
+def rule_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, seed: int, rule=accept_draft,
+                at: int = 0) -> torch.Tensor:
+    """Counts [V] of the token the acceptance rule emits at draft position `at` (the kept draft there or the token
+    drawn in its place), over the draws that kept every draft before it; each draft token drawn from q (or fixed)."""
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(p.shape[1], dtype=torch.long)
     for _ in range(draws):
         drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(q.shape[0])] if q is not None else [3]
         j, nxt = rule(p, q, drafts, gen)
-        counts[drafts[0] if j > 0 else nxt] += 1
+        if j >= at:
+            counts[drafts[at] if j > at else nxt] += 1
     return counts
 
 
@@ -249,6 +252,64 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(wrong):
     p = (torch.randn(3, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
     q = (torch.randn(2, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
     stat, df = chi2_statistic(rule_counts(p, q, 4000, seed=1, rule=wrong), p[0])
+    assert stat > chi2_critical(df, 1e-3), (wrong.__name__, stat, df)
+
+
+def two_drafts_past_the_first():
+    """p [3, V] and q [2, V] as above, with q[0] moved halfway to p[0]: min(p[0], q[0]) then sums to at least 1/2,
+    so more than half the draws keep the first draft and go on to the second."""
+    gen = torch.Generator().manual_seed(0)
+    p = (torch.randn(3, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
+    q = (torch.randn(2, 11, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
+    q[0] = (q[0] + p[0]) / 2
+    return p, q
+
+
+def test_the_token_after_a_kept_draft_is_the_target_s_too():
+    """Two drafts from q; over the draws that keep the first, the second emitted token (the kept second draft or
+    the token drawn from its residual) is p[1]'s. q[0] and q[1], p[0] and p[1], q[1] and p[1] are each far apart, so
+    judging the second draft by q[0], drawing its residual from p[0], or keeping it unjudged would show."""
+    p, q = two_drafts_past_the_first()
+    for a, b in ((q[0], q[1]), (p[0], p[1]), (q[1], p[1])):
+        assert (a - b).abs().sum().item() / 2 > 0.5  # total variation distance
+    counts = rule_counts(p, q, 1500, seed=1, at=1)
+    assert counts.sum() > 750  # the first draft kept in more than half the draws
+    stat, df = chi2_statistic(counts, p[1])
+    assert stat < chi2_critical(df, 1e-3), (stat, df)
+
+
+def misjudged(p, q, drafts, gen, *, q_row=None, residual_row=None, keep_later=False):
+    """accept_draft's rule, right at the first draft; from the second on, optionally judged by the wrong row of q,
+    with the residual built from the wrong row of p, or kept unjudged."""
+    for i, d in enumerate(drafts):
+        q_i = q[i if q_row is None else q_row]
+        if (keep_later and i > 0) or torch.rand((), dtype=torch.float64, generator=gen) * q_i[d] < p[i, d]:
+            continue
+        residual = (p[i if residual_row is None else residual_row] - q_i).clamp(min=0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+
+
+def judge_every_draft_by_q0(p, q, drafts, gen):
+    """Wrong: every draft judged by q[0], the first draft's distribution, in the ratio and the residual."""
+    return misjudged(p, q, drafts, gen, q_row=0)
+
+
+def residual_from_p0(p, q, drafts, gen):
+    """Wrong: at any rejection, the residual max(0, p[0] - q[i]), from the first position's target."""
+    return misjudged(p, q, drafts, gen, residual_row=0)
+
+
+def keep_the_drafts_after_the_first(p, q, drafts, gen):
+    """Wrong: judge the first draft only and keep the rest (the draft's distribution there, not the target's)."""
+    return misjudged(p, q, drafts, gen, keep_later=True)
+
+
+@pytest.mark.parametrize("wrong", [judge_every_draft_by_q0, residual_from_p0, keep_the_drafts_after_the_first])
+def test_a_rule_wrong_after_the_first_draft_fails_the_same_test(wrong):
+    """The test above has the power to catch a rule that is right at the first draft and wrong after it."""
+    p, q = two_drafts_past_the_first()
+    stat, df = chi2_statistic(rule_counts(p, q, 1500, seed=1, rule=wrong, at=1), p[1])
     assert stat > chi2_critical(df, 1e-3), (wrong.__name__, stat, df)
 
 

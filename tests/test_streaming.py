@@ -42,6 +42,32 @@ def test_one_pass_equals_the_caches_token_by_token(rotary, window, n_keep, t, se
     assert (run_policy(model, ids)[0] - model(ids)).abs().max().item() <= TOL64
 
 
+@pytest.mark.parametrize("window, n_keep, first, rule, seen", [
+    (None, 0, 1, "absolute", lambda i: (1, i + 1)),  # query i sees keys 0..i: 1/(i + 1) on key 0
+    (None, 0, 3, "absolute", lambda i: (min(3, i + 1), i + 1)),
+    (6, 0, 1, "absolute", lambda i: (int(i < 6), min(i + 1, 6))),  # key 0 leaves the window at query 6
+    (6, 2, 2, "absolute", lambda i: (min(2, i + 1), min(i + 1, 6))),  # the two sinks stay in view
+    (6, 2, 2, "cache", lambda i: (min(2, i + 1), min(i + 1, 6))),  # positions do not matter to zero queries
+    (6, 1, 3, "absolute", lambda i: (min(3, i + 1), i + 1) if i < 6 else (1 + min(2, max(0, 7 - i)), 6)),
+])
+def test_the_mass_on_the_first_positions_under_uniform_attention(window, n_keep, first, rule, seen):
+    """With the query projections zeroed every score is 0, so each query attends uniformly over the keys it
+    sees: if query i sees n_i keys, f_i of them among the first `first`, it puts f_i / n_i on them, and the
+    mass is the mean of f_i / n_i over the T queries, the same for every head of every layer. (With the
+    window of 6 slots and one sink, query 6 sees keys 0 and 2..6, query 7 and after only the sink of the
+    first three.)"""
+    t = 12
+    model = build(CFG, seed=3, scale=0.4)
+    for block in model.blocks:
+        block.attn.q_proj.weight.zero_()
+        block.attn.q_proj.bias.zero_()
+    ids = torch.randint(0, CFG.vocab_size, (1, t), generator=torch.Generator().manual_seed(2))
+    mass = run_policy(model, ids, window, n_keep, rule, first)[1]
+    want = sum(f / n for f, n in map(seen, range(t))) / t
+    assert mass.shape == (CFG.n_layers, CFG.n_heads)
+    assert (mass - want).abs().max().item() <= 1e-12
+
+
 def test_positions_within_the_cache_move_only_the_kept_keys():
     model, ids = MODELS[True], torch.arange(30).remainder(CFG.vocab_size).view(1, -1)
     plain = run_policy(model, ids, 6, 0)[0]
