@@ -1,6 +1,6 @@
 """Beam search three ways: recomputed without a cache, on a cache reordered every step, on shared paged blocks.
 
-Introduced in the chapter on rollback (to come). Each step, every beam's next-token log-probabilities
+Introduced in chapter 12 (rollback). Each step, every beam's next-token log-probabilities
 are added to its score, and the W best (beam, token) pairs over all beams survive; a surviving beam's
 cache must then be its parent's. Hugging Face's `reorder_cache` gathers the cache's batch rows by parent
 (`KVCache.reorder`): every cached byte is written again at every step. A paged cache instead forks each

@@ -1,6 +1,6 @@
 """Speculative decoding: a cheap draft guesses k tokens, the target checks them all in one cached pass.
 
-Introduced in the chapter on rollback (to come). The target's cache holds every token but the
+Introduced in chapter 12 (rollback). The target's cache holds every token but the
 last one (`pending`). One verify pass feeds pending and the k drafted tokens d1..dk, T = k + 1,
 and its logits at row i judge d(i+1). The longest agreeing prefix d1..dj is kept, row j gives
 one more token (a correction, or a bonus when all k agree), and the k - j rejected positions are

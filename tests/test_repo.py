@@ -92,3 +92,18 @@ def test_ci_workflow_runs_the_test_command_where_readers_are_and_publishes_only_
     assert publish["needs"] == "test" and "main" in publish["if"], publish
     uploads = [s for s in test["steps"] if "upload-pages-artifact" in s.get("uses", "")]
     assert uploads and uploads[0]["with"]["path"] == "_build/test-book/_build/html", "publish what the tests built"
+
+
+def test_code_names_its_chapters_and_promises_none_to_come():
+    """Every chapter the code introduces exists, so its docstrings and comments name it ("chapter 12")
+    rather than promising it ("the chapter on rollback, to come")."""
+    chapters = {int(p.name[:2]) for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    stale, missing = [], []
+    for path in sorted((ROOT / "labcode").rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(ROOT)
+        stale += [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}" for m in re.finditer(r"\bto come\b", text)]
+        named = map(int, re.findall(r"\b[Cc]hapter (\d+)\b", text))
+        missing += [f"{rel}: chapter {n}" for n in named if n not in chapters]
+    assert not stale, f"code that promises a chapter to come, though every chapter exists: {stale}"
+    assert not missing, f"code that names a chapter the book does not have: {missing}"

@@ -15,7 +15,7 @@ written, so a refused pass changes nothing; a pass that fails after `begin` is c
 of the model. Between passes, `rollback(n)` removes the last n committed positions as if they had
 never been written (refused, changing nothing, past `rollback_limit()`: a window that dropped
 positions cannot bring them back), and `reorder(index)` gathers batch rows (beam search); both
-come from the chapter on rollback (to come).
+come from chapter 12 (rollback).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class KVCache:
         """Bytes of K/V storage held."""
         raise NotImplementedError
 
-    # -- going back (the chapter on rollback, to come) ---------------------------------
+    # -- going back (chapter 12, rollback) ---------------------------------
     keeps: int | None = None  # positions held before the cache starts dropping (None: it never drops)
     rollback_reserve: int = 0  # positions a cache that drops can still roll back after dropping
 
@@ -240,7 +240,7 @@ class KVCache:
         """Remove the last n committed positions, as if they had never been written (a rejected draft).
 
         Checked first, between passes: n an int in [0, rollback_limit()]; a refusal changes nothing.
-        Introduced in the chapter on rollback (to come).
+        Introduced in chapter 12 (rollback).
         """
         self._check_rollback(n, "n")
         if n:
@@ -261,7 +261,7 @@ class KVCache:
 
     def reorder(self, index: torch.Tensor) -> int:
         """Row b becomes old row index[b] in every layer (beam search: each beam continues its parent); index [B']
-        may repeat rows and change B. Returns the bytes written. Introduced in the chapter on rollback (to come)."""
+        may repeat rows and change B. Returns the bytes written. Introduced in chapter 12 (rollback)."""
         self._check_reorder(index)
         moved = self._reorder(index)
         self.layout = replace(self.layout, batch=index.shape[0])

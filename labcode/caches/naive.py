@@ -98,7 +98,7 @@ class ModuleStateCache(KVCache):
 
     def rollback(self, n: int) -> None:
         """Remove the last n positions from every module's buffers; the pointers and `current_pos` move back
-        together. Introduced in the chapter on rollback (to come)."""
+        together. Introduced in chapter 12 (rollback)."""
         self._check_rollback(n, "n")
         self._check(None)  # a model whose counters drifted apart has no "last n" to remove
         if n:

@@ -23,7 +23,7 @@ class SlidingWindowCache(PreallocatedCache):
     """W - 1 past rows plus a chunk of at most `max_chunk` (default W), in W - 1 + max_chunk preallocated slots.
 
     With a `reserve` of r it keeps W - 1 + r rows between passes (the band hides the r oldest), so that r
-    positions can always be rolled back (the chapter on rollback, to come).
+    positions can always be rolled back (chapter 12, rollback).
     """
 
     max_chunk_reason = "the slots left after the W - 1 kept rows"

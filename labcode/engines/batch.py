@@ -125,8 +125,8 @@ class ScatteredCache(PerLayerCache):
         return min(self.lengths)
 
     def rollback(self, n: int) -> None:
-        """Remove the last n tokens of every row (`crop` does it for one row). Introduced in the chapter on
-        rollback (to come)."""
+        """Remove the last n tokens of every row (`crop` does it for one row). Introduced in chapter 12
+        (rollback)."""
         self._between_passes("roll back between passes")
         if self.planned is not None:
             fail("plan", "no pending plan (it was made for the lengths before the rollback)", self.planned,

@@ -203,7 +203,7 @@ class CellsCache(PerLayerCache):
 
     def rollback(self, n: int, seq: int | None = None) -> None:
         """Remove sequence `seq`'s last n positions (default: `default_seq`), as `seq_rm` does: cells another
-        sequence still owns stay. Introduced in the chapter on rollback (to come)."""
+        sequence still owns stay. Introduced in chapter 12 (rollback)."""
         self._between_passes("roll back between passes")
         seq = self.default_seq if seq is None else seq
         if not (is_int(seq) and 0 <= seq < self.n_seqs):

@@ -1,6 +1,6 @@
 """Serving many requests: a continuous-batching scheduler over the paged pool, and prefix caches.
 
-Introduced in the chapter on serving (to come). Importing it does nothing.
+Introduced in chapter 11 (serving). Importing it does nothing.
 """
 
 from labcode.serving.compare import compare_prefix_caches, distinct_prefixes, gaps_to_alone, summary

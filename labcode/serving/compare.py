@@ -1,6 +1,6 @@
 """The two prefix caches on the same traces: hit rate, tokens computed and recomputed, blocks used, preemptions.
 
-Introduced in the chapter on serving (to come). Token granularity against block granularity: the
+Introduced in chapter 11 (serving). Token granularity against block granularity: the
 radix tree is run on blocks of one token (SGLang's default page) and on the hash cache's block size,
 with the same number of token slots, so the table separates the data structure from the page size.
 """

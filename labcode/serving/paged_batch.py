@@ -1,6 +1,6 @@
 """One forward pass over many sequences whose keys live in one shared `BlockPool`.
 
-Introduced in the chapter on serving (to come). Chapter 9's ragged batch gives each row its own
+Introduced in chapter 11 (serving). Chapter 9's ragged batch gives each row its own
 offset and pads the chunks on the right; its paged cache keeps one sequence's keys in pool blocks.
 A serving step needs both at once: row b holds `lengths[b]` tokens in the blocks of `tables[b]`
 (allocated by the scheduler beforehand) and brings `n_new[b]` real tokens. Only real tokens are

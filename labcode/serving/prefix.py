@@ -1,6 +1,6 @@
 """Prefix caching two ways, over one `BlockPool`: vLLM's chained block hashes and SGLang's radix tree.
 
-Introduced in the chapter on serving (to come). Both answer the scheduler's four questions:
+Introduced in chapter 11 (serving). Both answer the scheduler's four questions:
 `match` (which cached blocks start this sequence; takes a reference to each), `store` (after a
 step: remember what is now computed), `release` (the request leaves: drop its references) and
 `evict` (free at least n blocks). A block's reference count is the number of block tables that

@@ -1,6 +1,6 @@
 """Continuous batching over a paged pool: chunked prefill mixed with decode, admission, preemption by recompute.
 
-Introduced in the chapter on serving (to come). Each `step` spends a token budget: first one token
+Introduced in chapter 11 (serving). Each `step` spends a token budget: first one token
 (or the next prefill chunk) for every running request, oldest first, then the first chunk of each
 waiting request while blocks and budget last. A running request that needs a block when none is
 free (and none can be evicted) preempts the newest running request: its blocks go back to the pool

@@ -1,6 +1,6 @@
 """Requests and the seeded traces they arrive on.
 
-Introduced in the chapter on serving (to come). A trace is a list of `Request`s: each arrives at a
+Introduced in chapter 11 (serving). A trace is a list of `Request`s: each arrives at a
 step, brings a prompt and asks for a number of greedy tokens. A follow-up turn of a chat names its
 `parent`: it arrives once the parent has finished, and its prompt is the parent's prompt and reply
 followed by its own tokens. The generators draw from `random.Random(seed)`, so a seed is a trace.
