@@ -8,6 +8,7 @@ supports (`claim`), other floats only to the digits their sentence needs.
 
 from __future__ import annotations
 
+import decimal
 import html
 import math
 
@@ -66,6 +67,28 @@ def num(value: float, digits: int = 3) -> str:
     decimals = max(0, digits - 1 - math.floor(math.log10(abs(rounded))))
     text = f"{rounded:,.{decimals}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def num_down(value: float, digits: int = 3) -> str:
+    """`value` as `num` writes it, rounded down instead of to the nearest: a bound said "at least"
+    must not exceed what was measured (0.0506 at 2 digits is 0.05, not 0.051)."""
+    return num(_rounded(value, digits, decimal.ROUND_FLOOR), digits)
+
+
+def num_up(value: float, digits: int = 3) -> str:
+    """`value` as `num` writes it, rounded up instead of to the nearest: a bound said "up to" or
+    "at most" must not fall below what was measured (4.524 at 3 digits is 4.53, not 4.52)."""
+    return num(_rounded(value, digits, decimal.ROUND_CEILING), digits)
+
+
+def _rounded(value: float, digits: int, rounding: str) -> float:
+    """`value` to `digits` significant digits in the direction `rounding`, in decimal arithmetic on the
+    shortest decimal that reads back as `value` (0.05 stays 0.05 both ways)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    exact = decimal.Decimal(repr(float(value)))
+    step = decimal.Decimal(1).scaleb(exact.adjusted() - digits + 1)
+    return float(exact.quantize(step, rounding=rounding))
 
 
 def num_beside(value: float, target: float, digits: int = 3) -> str:

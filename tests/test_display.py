@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
-from labcode.display import listed, num, num_beside, sig
+from labcode.display import listed, num, num_beside, num_down, num_up, sig
 
 
 @pytest.mark.parametrize("value,digits,text", [
@@ -22,6 +25,24 @@ def test_num_writes_significant_digits_in_full(value, digits, text):
 )
 def test_num_beside_never_reads_as_its_target_unless_equal(value, target, text):
     assert num_beside(value, target) == text
+
+
+@pytest.mark.parametrize("value, digits, down, up", [
+    (0.0506, 2, "0.05", "0.051"), (1.3864, 3, "1.38", "1.39"), (4.524, 3, "4.52", "4.53"), (0.05, 2, "0.05", "0.05"),
+    (9.996, 3, "9.99", "10"), (-1.234, 2, "-1.3", "-1.2"), (1234.5, 2, "1,200", "1,300"), (3.0, 2, "3", "3"),
+])
+def test_num_down_and_up_round_towards_the_side_a_bound_needs(value, digits, down, up):
+    assert (num_down(value, digits), num_up(value, digits)) == (down, up)
+
+
+def test_a_bound_said_at_least_or_up_to_is_never_on_the_wrong_side():
+    """"at least num_down(x)" and "up to num_up(x)" stay true, and each is within one step of x."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        x, digits = rng.uniform(-1, 1) * 10 ** rng.randint(-4, 6), rng.randint(1, 4)
+        down, up = (float(f(x, digits).replace(",", "")) for f in (num_down, num_up))
+        step = 10 ** (math.floor(math.log10(abs(x))) - digits + 1)
+        assert down <= x <= up and up - down <= step * (1 + 1e-9) and x - down < step and up - x < step
 
 
 def test_num_leaves_what_needs_an_exponent_to_sig():
