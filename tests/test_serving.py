@@ -268,7 +268,7 @@ def test_both_prefix_caches_on_the_same_traces():
     traces = {"system": system_prompt_trace(1, 6, V, system_len=10, max_new=3),
               "chat": multi_turn_trace(2, 2, 3, V, first_len=6, max_new=3),
               "few-shot": few_shot_trace(3, 6, V, example_len=3, max_new=3)}
-    rows = compare_prefix_caches(MODEL, traces, n_slots=40, block_size=4, budget=8)
+    rows = compare_prefix_caches(MODEL, traces, n_slots=40, block_size=4, budget=8, check=True)
     assert len(rows) == 3 * 4
     for name in traces:
         runs = [r for r in rows if r["trace"] == name]

@@ -55,16 +55,17 @@ def summary(sched: Scheduler) -> dict:
 
 
 def compare_prefix_caches(model: GPT, traces: dict[str, list[Request]], n_slots: int, block_size: int,
-                          budget: int) -> list[dict]:
+                          budget: int, check: bool = False) -> list[dict]:
     """Serve every trace with no prefix cache, the hash cache and the radix tree (blocks of `block_size`), and the
-    radix tree on one-token blocks, each with `n_slots` token slots; one row of `summary` per run, plus
-    `trace`, `cache` and `block_size`, and the generated tokens per request (`outputs`)."""
+    radix tree on one-token blocks, each with `n_slots` token slots (checking the invariants after every step if
+    `check`, as `serve` does); one row of `summary` per run, plus `trace`, `cache` and `block_size`, and the
+    generated tokens per request (`outputs`)."""
     if not (is_int(n_slots) and is_int(block_size) and block_size > 0 and n_slots >= block_size):
         fail("n_slots, block_size", "ints with n_slots >= block_size > 0", (n_slots, block_size))
     rows = []
     for name, trace in traces.items():
         for cache, bs in ((None, block_size), ("hash", block_size), ("radix", block_size), ("radix", 1)):
-            sched = serve(model, trace, n_slots // bs, bs, budget, cache)
+            sched = serve(model, trace, n_slots // bs, bs, budget, cache, check=check)
             outputs = {rid: seq.out for rid, seq in sched.done.items()}
             rows.append({"trace": name, "cache": cache or "none", "block_size": bs, **summary(sched),
                          "outputs": outputs})
