@@ -45,7 +45,7 @@ class Sampler:
         if self.top_p is not None and self.top_p < 1:
             sorted_scores, order = scores.sort(dim=-1, descending=True)
             probs = sorted_scores.softmax(dim=-1)
-            drop = probs.cumsum(dim=-1) - probs > self.top_p  # keep the smallest prefix whose mass reaches top_p
+            drop = probs.cumsum(dim=-1) - probs > self.top_p  # keep the shortest prefix whose mass exceeds top_p
             scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
         probs = scores.softmax(dim=-1).to(torch.float64).cpu()
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(logits.device)
