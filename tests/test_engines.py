@@ -25,6 +25,7 @@ from labcode.engines import (
     fake_quantize,
     find_slots,
     hadamard,
+    key_outlier_ratio,
     quantize,
     run_ragged,
     scattered_mask,
@@ -575,6 +576,23 @@ def test_key_outliers_leave_logits_unchanged_and_rotation_helps():
         k_back, _ = cache.feed(k, v)  # what attention reads from the cache
         errs[rotate] = (k_back - k).abs().max().item()
     assert errs[True] < errs[False] / 2
+
+
+def test_key_outlier_ratio_by_hand():
+    # head 0: every channel +-1 (RMS 1); head 1: channel 5 is 3, -3, 1, -1 over the positions (RMS sqrt(5),
+    # mean |x| 2), the others +-1; a second sequence with a far larger outlier that must be ignored
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    keys = signs.view(1, 1, 4, 1).expand(2, 2, 4, 8).clone()
+    keys[0, 1, :, 5] = torch.tensor([3.0, -3.0, 1.0, -1.0], dtype=torch.float64)
+    keys[1, 0, :, 0] = 100.0
+    assert key_outlier_ratio(keys) == pytest.approx(5**0.5, rel=1e-15)  # the largest head, over the median
+    assert key_outlier_ratio(keys[:, :1]) == 1.0  # no channel stands out
+    lower = keys[:1, 1:].clone()
+    lower[0, 0, :, [4, 6, 7]] *= 2  # RMS 1, 1, 1, 1, 2, 2, 2, sqrt(5): the lower middle value is 1
+    assert key_outlier_ratio(lower) == pytest.approx(5**0.5, rel=1e-15)
+    for bad in (keys[0], keys[:, :, :0], keys.long(), [keys]):
+        with pytest.raises(CacheError, match=r"keys: expected a float tensor \[B, Hkv, S, D\] with S >= 1"):
+            key_outlier_ratio(bad)
 
 
 def test_quantized_cache_rejects_bad_input_before_any_change():

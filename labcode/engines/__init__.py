@@ -10,7 +10,15 @@ from labcode.engines.batch import ScatteredCache, run_ragged, scattered_mask
 from labcode.engines.cells import CellsCache, cells_mask, find_slots
 from labcode.engines.kivi import KIVICache, kivi_bytes
 from labcode.engines.paged import BlockPool, PagedCache, block_hashes, block_slots
-from labcode.engines.quant import QuantizedCache, dequantize, fake_quantize, hadamard, quantize, with_key_outliers
+from labcode.engines.quant import (
+    QuantizedCache,
+    dequantize,
+    fake_quantize,
+    hadamard,
+    key_outlier_ratio,
+    quantize,
+    with_key_outliers,
+)
 
 __all__ = [
     "BlockPool",
@@ -26,6 +34,7 @@ __all__ = [
     "fake_quantize",
     "find_slots",
     "hadamard",
+    "key_outlier_ratio",
     "kivi_bytes",
     "quantize",
     "run_ragged",
