@@ -158,7 +158,7 @@ def key_outlier_ratio(keys: torch.Tensor) -> float:
     """How far one channel of a layer's keys stands out: for each key/value head of keys [B, Hkv, S, D] (the first
     sequence), the root mean square of every channel over the S positions, the largest channel's over the median
     channel's (torch's median: the lower middle value when D is even); returned, the largest over the heads. About 1
-    where no channel stands out, `factor` for `with_key_outliers(model, factor)` on a model with none."""
+    where no channel stands out."""
     if not (isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[2] > 0 and keys.is_floating_point()):
         fail("keys", "a float tensor [B, Hkv, S, D] with S >= 1",
              tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__, CacheError)
