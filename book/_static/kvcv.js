@@ -22,6 +22,9 @@
  *    makes most of them fit; one that still does not fit scrolls sideways with its first column
  *    kept in view (kvcv-sticky), so each row keeps its name, unless that column is itself wide.
  *    Measured again when the window's width changes (a phone turned) and once the fonts are in.
+ * 7. A short word of inline code in prose that holds a hyphen (--long, top-k) is read whole: the
+ *    browser would otherwise end a line after its hyphen ("--" / "long"). A longer one may still
+ *    break where it must, so that it never widens the column.
  */
 (function () {
   "use strict";
@@ -319,10 +322,23 @@
     });
   }
 
+  /* 7. Short hyphenated words of inline code in prose. */
+  var WHOLE_CODE_WORD = 24; // characters: well within a phone's column of code
+
+  function wholeCodeWords() {
+    var words = document.querySelectorAll("article.bd-article code.literal span.pre");
+    for (var i = 0; i < words.length; i++) {
+      var text = words[i].textContent;
+      if (text.indexOf("-") < 0 || text.length > WHOLE_CODE_WORD || words[i].closest("table")) continue;
+      words[i].classList.add("kvcv-whole");
+    }
+  }
+
   function ready() {
     install();
     breakableTableCode();
     wholeTableNumbers();
+    wholeCodeWords();
     fittedTables();
     solutionTitles();
     enlargeableFigures();
